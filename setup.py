@@ -21,11 +21,11 @@ setup(
     description="RL post-training with periodic asynchrony: strictly on-policy GRPO",
     python_requires=">=3.10",
     packages=find_packages(include=["periodic_async", "periodic_async.*", "kernels", "kernels.*"]),
-    package_data={"periodic_async": ["data/gsm8k/*.jsonl", "data/gsm8k/LICENSE"]},
+    package_data={"periodic_async": ["data/gsm8k/*.jsonl", "data/gsm8k/LICENSE", "data/gsm8k/README.md"]},
     install_requires=CORE,
     extras_require={
         "cpu": [],                                   # the default set above
-        "test": ["pytest==9.2.0"],
+        "test": ["pytest==9.2.0", "datasets==5.2.0"],
         "tensorboard": ["tensorboard==2.21.0"],
         # GPUs: the cluster's CUDA torch replaces the CPU pin (install with --no-deps for torch).
         "cuda": [],

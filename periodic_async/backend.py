@@ -1,0 +1,186 @@
+"""THE device layer: every device-specific line of the project lives here.
+
+A `Backend` is chosen by name (`cpu`, `cuda`, `npu`) and owns:
+- the torch device and the process-group backend (gloo / nccl / hccl),
+- the Megatron-core set-up that differs per device (the CPU shims, MindSpeed's NPU adaptor,
+  the model-parallel RNG tracker),
+- the attention implementation name used by kernels and by the HF rollout engine,
+- the default rollout engine for the device.
+
+Asking for `npu` or `cuda` where it is not available raises `BackendUnavailable` with one line
+saying what is missing and how to install it.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested backend cannot run on this machine; the message says what to install."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str                 # cpu | cuda | npu
+    dist_backend: str         # gloo | nccl | hccl
+    attention_impl: str       # sdpa (cpu) | flex (cuda) | npu_fusion (npu)
+    rollout_engine: str       # the default inference engine on this device
+
+    # ------------------------------------------------------------------ device
+    def device(self, local_rank: int = 0) -> torch.device:
+        if self.name == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.name, local_rank)
+
+    def set_device(self, local_rank: int) -> None:
+        if self.name == "cuda":
+            torch.cuda.set_device(local_rank)
+        elif self.name == "npu":
+            torch.npu.set_device(local_rank)  # type: ignore[attr-defined]
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed torch's CPU and device generators plus Megatron's model-parallel RNG tracker."""
+        torch.manual_seed(seed)
+        if self.name == "cuda":
+            torch.cuda.manual_seed_all(seed)
+        elif self.name == "npu":
+            torch.npu.manual_seed_all(seed)  # type: ignore[attr-defined]
+        from megatron.core.tensor_parallel import random as mpu_random
+        if self.name == "cpu":
+            # The tracker's states are CUDA generators; the inference tracker only records seeds.
+            mpu_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        else:
+            mpu_random.model_parallel_cuda_manual_seed(seed)
+
+    def synchronize(self) -> None:
+        if self.name == "cuda":
+            torch.cuda.synchronize()
+        elif self.name == "npu":
+            torch.npu.synchronize()  # type: ignore[attr-defined]
+
+    def max_memory_allocated(self) -> int:
+        """Peak device memory in bytes (0 on CPU, where the allocator does not track it)."""
+        if self.name == "cuda":
+            return torch.cuda.max_memory_allocated()
+        if self.name == "npu":
+            return torch.npu.max_memory_allocated()  # type: ignore[attr-defined]
+        return 0
+
+    # ------------------------------------------------------------------ distributed
+    def init_distributed(self) -> tuple[int, int, int]:
+        """Join (or create) the default process group. Returns (rank, world_size, local_rank).
+
+        Under torchrun the env:// rendezvous is used; a plain `python -m periodic_async` makes a
+        single-process group on a free loopback port, because Megatron-core needs one.
+        """
+        if dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0"))
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            self.set_device(local_rank)
+            dist.init_process_group(self.dist_backend, rank=rank, world_size=world)
+            return rank, world, local_rank
+        self.set_device(0)
+        dist.init_process_group(self.dist_backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                rank=0, world_size=1)
+        return 0, 1, 0
+
+    def init_model_parallel(self, tp: int, pp: int, seed: int) -> None:
+        """Megatron-core parallel groups (TP x PP x DP over the default group) and RNG."""
+        from megatron.core import parallel_state
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        self.manual_seed(seed)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------- per-device set-up
+
+_CPU_SHIM_APPLIED = False
+
+
+def _apply_cpu_megatron_shims() -> None:
+    """Megatron-core assumes CUDA. On CPU, map the CUDA calls it makes onto the CPU device - the
+    same idea as torch_npu's `transfer_to_npu` on Ascend (see ../shared/platform-notes.md):
+    - `torch.cuda.current_device()` is passed as a `device=` in ~580 places: return "cpu";
+    - `torch.cuda.synchronize()` (pipeline p2p) becomes a no-op.
+    Applied once, idempotent, only for the cpu backend."""
+    global _CPU_SHIM_APPLIED
+    if _CPU_SHIM_APPLIED:
+        return
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    _CPU_SHIM_APPLIED = True
+
+
+def _setup_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise BackendUnavailable(
+            "backend 'cuda' needs a CUDA build of torch and a visible NVIDIA GPU "
+            f"(torch {torch.__version__}, torch.cuda.is_available() is False); install the CUDA torch "
+            "wheel for your driver (pip install torch==<version> --index-url <your CUDA wheel index>) "
+            "or run with --backend cpu")
+
+
+def _setup_npu() -> None:
+    # torch_npu registers the 'npu' device; MindSpeed's adaptor patches Megatron-core for Ascend.
+    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "1")
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError as e:
+        raise BackendUnavailable(
+            f"backend 'npu' needs torch_npu with CANN ({e}); on an Ascend 910B node source "
+            "/usr/local/Ascend/ascend-toolkit/set_env.sh and `pip install torch-npu==2.7.1` "
+            "(see docs/running-on-910b.md)") from None
+    if not torch.npu.is_available():  # type: ignore[attr-defined]
+        raise BackendUnavailable("backend 'npu': torch_npu imported but no NPU is visible "
+                                 "(check ASCEND_RT_VISIBLE_DEVICES and `npu-smi info`)")
+    try:
+        import mindspeed.megatron_adaptor  # noqa: F401
+    except ImportError as e:
+        raise BackendUnavailable(
+            f"backend 'npu' needs MindSpeed ({e}); install it from source (gitcode Ascend/MindSpeed, "
+            "branch matching your Megatron-core; see docs/running-on-910b.md)") from None
+
+
+_BACKENDS = {
+    "cpu": Backend("cpu", "gloo", attention_impl="sdpa", rollout_engine="hf"),
+    "cuda": Backend("cuda", "nccl", attention_impl="flex", rollout_engine="hf"),
+    "npu": Backend("npu", "hccl", attention_impl="npu_fusion", rollout_engine="hf"),
+}
+
+_ACTIVE: Optional[Backend] = None
+
+
+def get_backend(name: str) -> Backend:
+    """Check the device stack for `name`, apply its set-up once, and return the Backend."""
+    global _ACTIVE
+    if name not in _BACKENDS:
+        raise BackendUnavailable(f"backend '{name}' is unknown; allowed: {', '.join(_BACKENDS)}")
+    if name == "cpu":
+        _apply_cpu_megatron_shims()
+    elif name == "cuda":
+        _setup_cuda()
+    else:
+        _setup_npu()
+    _ACTIVE = _BACKENDS[name]
+    return _ACTIVE
+
+
+def active_backend() -> Backend:
+    """The backend chosen by `get_backend` (cpu when none was chosen yet)."""
+    return _ACTIVE if _ACTIVE is not None else get_backend("cpu")

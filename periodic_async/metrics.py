@@ -1,0 +1,73 @@
+"""Per-step metrics: one JSONL record per step, TensorBoard when installed, a console line.
+
+Names follow verl where one exists (actor/pg_loss, critic/score/mean, timing_s/gen,
+perf/throughput in tokens/s/device, ...); our own get their own prefix (reward/, rollout/).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Optional
+
+# The console line shows these, in this order, when present.
+CONSOLE_KEYS = [
+    ("critic/score/mean", "score", "{:.3f}"),
+    ("actor/pg_loss", "pg", "{:+.4f}"),
+    ("actor/kl_loss", "kl", "{:.4f}"),
+    ("actor/entropy", "ent", "{:.3f}"),
+    ("actor/grad_norm", "gnorm", "{:.3f}"),
+    ("response_length/mean", "len", "{:.2f}"),
+    ("timing_s/step", "step_s", "{:.2f}"),
+    ("perf/throughput", "tok/s/dev", "{:.0f}"),
+]
+
+
+def format_console(step: int, metrics: dict) -> str:
+    parts = [f"step {step:4d}"]
+    for key, short, fmt in CONSOLE_KEYS:
+        if key in metrics:
+            parts.append(f"{short} {fmt.format(metrics[key])}")
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str, tensorboard: bool = True, enabled: bool = True):
+        self.enabled = enabled
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self._tb = None
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        self._file = open(self.path, "w")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            except ImportError:   # tensorboard is an optional extra
+                self._tb = None
+
+    def log(self, step: int, metrics: dict) -> Optional[str]:
+        """Write the record; returns the console line (the caller prints it beside its progress bar)."""
+        if not self.enabled:
+            return None
+        record = {"step": step, **{k: (v if isinstance(v, (int, float)) and math.isfinite(v) else str(v))
+                                   for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, step)
+        return format_console(step, metrics)
+
+    def close(self) -> None:
+        if self.enabled:
+            self._file.close()
+            if self._tb is not None:
+                self._tb.close()
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]

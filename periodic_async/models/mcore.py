@@ -1,0 +1,104 @@
+"""Megatron-core GPTModel for Qwen2 / Qwen2.5 / Llama checkpoints.
+
+`ModelSpec` is the architecture read from a Hugging Face `config.json`; `build_gpt_model` maps it
+onto Megatron-core's local layer spec (RMSNorm, SwiGLU, RoPE, GQA, optional QKV bias), the same
+mapping on every backend. The core-attention module is the place shared-prompt attention plugs in.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class UnsupportedModel(ValueError):
+    """The checkpoint's architecture or a config field is not supported; the message says which."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    arch: str                 # qwen2 | llama
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    qkv_bias: bool
+    eos_token_id: int | None = None
+
+
+def spec_from_hf_dir(path: str) -> ModelSpec:
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_file):
+        raise UnsupportedModel(f"model.path: {path} has no config.json (expected a Hugging Face model directory)")
+    with open(cfg_file) as f:
+        return spec_from_hf_dict(json.load(f), source=cfg_file)
+
+
+def spec_from_hf_dict(c: dict, source: str = "config.json") -> ModelSpec:
+    model_type = c.get("model_type")
+    if model_type not in ("qwen2", "llama"):
+        raise UnsupportedModel(f"{source}: model_type '{model_type}' is not supported; allowed: qwen2, llama")
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise UnsupportedModel(f"{source}: rope scaling '{rope_type}' is not supported yet; allowed: default")
+    if c.get("use_sliding_window"):
+        raise UnsupportedModel(f"{source}: use_sliding_window=true is not supported")
+    heads = c["num_attention_heads"]
+    eos = c.get("eos_token_id")
+    return ModelSpec(
+        arch=model_type, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+        ffn_hidden_size=c["intermediate_size"], num_layers=c["num_hidden_layers"], num_heads=heads,
+        num_kv_heads=c.get("num_key_value_heads") or heads,
+        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+        rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+        rms_norm_eps=c.get("rms_norm_eps", 1e-6), tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        max_position_embeddings=c.get("max_position_embeddings", 4096),
+        qkv_bias=(model_type == "qwen2") or bool(c.get("attention_bias", False)),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos)
+
+
+def transformer_config(spec: ModelSpec, dtype: str = "float32"):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core import parallel_state
+    params_dtype = _DTYPES[dtype]
+    return TransformerConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps,
+        add_qkv_bias=spec.qkv_bias, add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        # Fused kernels are CUDA-only or absent on CPU; the unfused paths are exact.
+        bias_activation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        use_cpu_initialization=True, params_dtype=params_dtype, pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        sequence_parallel=False)
+
+
+def build_gpt_model(spec: ModelSpec, dtype: str = "float32"):
+    """A Megatron-core GPTModel on the current TP/PP groups (parallel state must be initialised).
+    Forward: (input_ids [B, S], position_ids [B, S], attention_mask [B|1, 1, S, S] bool,
+    True = masked out) -> logits [B, S, V/TP] (vocab-sharded)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    return GPTModel(
+        config=transformer_config(spec, dtype),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=spec.vocab_size, max_sequence_length=spec.max_position_embeddings,
+        position_embedding_type="rope", rotary_base=int(spec.rope_theta),
+        share_embeddings_and_output_weights=spec.tie_word_embeddings)

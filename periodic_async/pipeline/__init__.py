@@ -1,0 +1,1 @@
+"""Between rollout and trainer: groups (this issue) and, later, the temporary data generator."""

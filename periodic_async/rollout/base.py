@@ -1,0 +1,68 @@
+"""The rollout-engine interface, shared by the HF engine here and vLLM workers later.
+
+A request is one prompt with its own group size K (`n`), sampling parameters and seed; results
+come back one response at a time, as they finish, tagged with the policy version that made them.
+Sampling is reproducible per (seed, sample index): the same request gives the same responses
+whatever else is batched with it, which is what lets `periodic` be compared with `sync` exactly.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0      # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1               # -1 = off
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class RolloutRequest:
+    group_index: int              # which prompt of the batch
+    prompt_ids: list[int]
+    n: int                        # K, the group size of THIS prompt
+    sampling: SamplingParams
+    seed: int
+
+
+@dataclass
+class RolloutResult:
+    group_index: int
+    sample_index: int             # k in [0, n)
+    prompt_ids: list[int]
+    response_ids: list[int]       # includes the stop token when one was produced
+    logprobs: list[float]         # log pi(token) under the sampling temperature, one per response token
+    finish_reason: str            # "stop" | "length"
+    policy_version: int
+    timings: dict = field(default_factory=dict)
+
+
+def sample_seed(request_seed: int, sample_index: int) -> int:
+    """A stable 63-bit seed for sample k of a request (no Python hash randomisation)."""
+    return (request_seed * 0x9E3779B97F4A7C15 + sample_index * 0xBF58476D1CE4E5B9 + 1) % (2 ** 63)
+
+
+class RolloutEngine(abc.ABC):
+    """Generates responses with the current policy weights.
+
+    generate(requests) yields one RolloutResult per (request, k) as soon as it is finished;
+    update_weights(named_tensors, version) loads HF-layout tensors (streamed, one at a time) and
+    tags subsequent results with `version`."""
+
+    policy_version: int = 0
+
+    @abc.abstractmethod
+    def generate(self, requests: list[RolloutRequest]) -> Iterator[RolloutResult]: ...
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None: ...
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# periodic-async launcher.
+#
+#   ./run.sh [--backend cpu|cuda|npu] [--config FILE] [key=value ...]   train (default: configs/default.yaml)
+#   ./run.sh test [pytest args]                                          the test suite
+#   ./run.sh install [EXTRA ...]                                         (re)install into .venv, e.g. `install tensorboard`
+#
+# On the cpu backend the script makes .venv when missing (torch 2.13.0 CPU wheel first, pinned by
+# constraints.txt) and installs the project into it; re-runs reuse it. On a cluster (--backend npu
+# or cuda) it uses the environment's python (CANN + torch_npu + MindSpeed, or CUDA torch, are the
+# cluster's) and makes no venv. Multi-node: set NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT,
+# NPROC_PER_NODE; more than one process launches torchrun.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+cd "$ROOT"
+
+cmd=train
+if [[ $# -gt 0 && ( "$1" == "test" || "$1" == "train" || "$1" == "install" ) ]]; then cmd="$1"; shift; fi
+
+backend=cpu
+config="$ROOT/configs/default.yaml"
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+  case "${args[$i]}" in
+    --backend) backend="${args[$((i + 1))]:-}" ;;
+    --backend=*) backend="${args[$i]#--backend=}" ;;
+    --config) config="${args[$((i + 1))]:-}" ;;
+    --config=*) config="${args[$i]#--config=}" ;;
+  esac
+done
+
+VENV="$ROOT/.venv"
+STAMP="$VENV/.periodic_async_installed"
+
+install_venv() {  # base install + the `test` extra, redone only when setup.py or constraints change
+  local want
+  want="$(cat setup.py constraints.txt | sha256sum | cut -c1-16)"
+  if [[ -x "$VENV/bin/python" && -f "$STAMP" ]] && grep -qxF "$want" "$STAMP"; then return 0; fi
+  if [[ ! -x "$VENV/bin/python" ]]; then
+    echo "[run.sh] creating $VENV" >&2
+    python3 -m venv "$VENV"
+  fi
+  echo "[run.sh] installing periodic-async[test] into $VENV (torch 2.13.0 CPU wheel, pinned)" >&2
+  pip_install "torch==2.13.0"
+  pip_install -e ".[test]"
+  echo "$want" > "$STAMP"
+}
+
+pip_install() {
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c constraints.txt "$@"
+  local tv
+  tv="$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
+  if [[ "$tv" != *+cpu ]]; then
+    echo "[run.sh] error: expected the CPU torch wheel in $VENV, found torch $tv" >&2
+    exit 1
+  fi
+}
+
+if [[ "$backend" == "cpu" || "$cmd" != "train" ]]; then
+  install_venv
+  if [[ "$cmd" == "install" ]]; then
+    for extra in "$@"; do pip_install -e ".[$extra]"; done
+    exit 0
+  fi
+  PY="$VENV/bin/python"
+else
+  PY="${PYTHON:-python3}"
+  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+if [[ "$cmd" == "test" ]]; then
+  exec "$PY" -m pytest tests "$@"
+fi
+
+NNODES="${NNODES:-1}"
+NPROC_PER_NODE="${NPROC_PER_NODE:-1}"
+has_config=0
+for a in "${args[@]}"; do [[ "$a" == --config || "$a" == --config=* ]] && has_config=1; done
+[[ $has_config == 1 ]] || args=(--config "$config" "${args[@]}")
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC_PER_NODE > 0 ? $(nproc) / NPROC_PER_NODE : 1 ))}"
+
+if (( NNODES * NPROC_PER_NODE == 1 )); then
+  exec "$PY" -m periodic_async "${args[@]}"
+fi
+exec "$PY" -m torch.distributed.run --nnodes "$NNODES" --node_rank "${NODE_RANK:-0}" \
+  --nproc_per_node "$NPROC_PER_NODE" --master_addr "${MASTER_ADDR:-127.0.0.1}" \
+  --master_port "${MASTER_PORT:-29500}" -m periodic_async "${args[@]}"
