@@ -1,0 +1,36 @@
+"""The backend layer: names, process-group backends, and one clear line for a missing stack."""
+import pytest
+import torch
+
+from periodic_async.backend import BackendUnavailable, get_backend
+
+
+def test_cpu_backend_and_megatron_shim():
+    b = get_backend("cpu")
+    assert (b.name, b.dist_backend, b.attention_impl) == ("cpu", "gloo", "sdpa")
+    assert b.device() == torch.device("cpu")
+    # the shim Megatron-core needs on CPU: current_device() is used as a `device=` argument
+    assert torch.empty(1, device=torch.cuda.current_device()).device.type == "cpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_unavailable_says_what_to_install():
+    with pytest.raises(BackendUnavailable) as e:
+        get_backend("cuda")
+    msg = str(e.value)
+    assert "backend 'cuda' needs a CUDA build of torch" in msg and "--backend cpu" in msg
+    assert "\n" not in msg
+
+
+def test_npu_unavailable_says_what_to_install():
+    with pytest.raises(BackendUnavailable) as e:
+        get_backend("npu")
+    msg = str(e.value)
+    assert "backend 'npu' needs torch_npu" in msg and "pip install torch-npu" in msg
+    assert "\n" not in msg
+
+
+def test_unknown_backend():
+    with pytest.raises(BackendUnavailable, match="allowed: cpu, cuda, npu"):
+        get_backend("tpu")
+    get_backend("cpu")  # leave the cpu backend active for the other tests

@@ -1,0 +1,85 @@
+"""A short end-to-end GRPO run on the cpu backend: the policy learns something, the reference is
+frozen, the rollout engine holds the trained weights, metrics and the HF export are written, and a
+reward function that raises is scored 0 without stopping training."""
+import json
+import os
+
+import pytest
+import torch
+
+from periodic_async.config import load_config
+from periodic_async.metrics import read_metrics
+from periodic_async.trainer import Trainer
+
+REQUIRED = ["actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "critic/score/mean",
+            "response_length/mean", "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights",
+            "timing_s/step", "perf/throughput", "training/off_policy/trajectory_staleness/mean",
+            "reward/num_errors", "reward/num_timeouts"]
+
+
+def _cfg(tmp_path, *extra):
+    return load_config("configs/default.yaml", [
+        f"trainer.run_dir={tmp_path / 'run'}", "trainer.total_steps=3", "trainer.progress_bar=false",
+        "data.train_batch_size=4", "rollout.n=4", "actor.micro_batch_size=6", "actor.kl_coef=0.1",
+        "reward.num_workers=1", *extra])
+
+
+def test_short_run_changes_policy_not_reference(tmp_path):
+    trainer = Trainer(_cfg(tmp_path))
+    policy0 = {n: p.detach().clone() for n, p in trainer.actor.policy.named_parameters()}
+    ref0 = {n: p.detach().clone() for n, p in trainer.actor.reference.named_parameters()}
+    history = trainer.fit()
+
+    assert len(history) == 3
+    changed = [n for n, p in trainer.actor.policy.named_parameters() if not torch.equal(p, policy0[n])]
+    assert len(changed) == len(policy0)               # every policy parameter moved
+    for n, p in trainer.actor.reference.named_parameters():
+        assert torch.equal(p, ref0[n]), n             # the reference never does
+    assert all(not p.requires_grad for p in trainer.actor.reference.parameters())
+
+    # the rollout engine holds exactly the trained policy (version 3)
+    assert trainer.rollout.policy_version == 3
+    engine = dict(trainer.rollout.model.named_parameters())
+    for name, t in trainer.actor.export_weights():
+        assert torch.equal(engine[name], t), name
+
+    records = read_metrics(str(tmp_path / "run"))
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for key in REQUIRED:
+        assert all(key in r for r in records), key
+    assert all(r["training/off_policy/trajectory_staleness/mean"] == 0.0 for r in records)
+    assert records[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-7)   # policy == reference at step 1
+    assert records[2]["actor/kl_loss"] > 0.0
+    assert all(r["perf/total_num_tokens"] > 0 and r["perf/throughput"] > 0 for r in records)
+
+    # the final policy exported as a HF directory that transformers loads
+    from transformers import AutoModelForCausalLM
+    final = AutoModelForCausalLM.from_pretrained(str(tmp_path / "run" / "final_hf"))
+    for name, p in final.named_parameters():
+        if name in engine:
+            assert torch.equal(p, engine[name]), name
+
+
+def test_reward_that_raises_is_scored_zero_and_training_goes_on(tmp_path):
+    reward_file = tmp_path / "flaky_reward.py"
+    reward_file.write_text(
+        "def compute_score(response, answer):\n"
+        "    if response.strip()[:1] == answer:\n"
+        "        raise RuntimeError('boom')\n"
+        "    return 1.0 if response.strip()[:1].isdigit() else 0.0\n")
+    cfg = _cfg(tmp_path, "reward.name=custom", f"reward.custom_file={reward_file}", "trainer.total_steps=2",
+               "data.train_batch_size=8", "rollout.n=8")
+    history = Trainer(cfg).fit()
+    assert len(history) == 2
+    errors = sum(h["reward/num_errors"] for h in history)
+    assert errors > 0                                  # some responses hit the right digit and raised
+    assert all(h["critic/score/max"] <= 1.0 for h in history)
+
+
+def test_config_saved_in_run_dir(tmp_path):
+    cfg = _cfg(tmp_path, "trainer.total_steps=1", "trainer.save_final=false")
+    Trainer(cfg).fit()
+    import yaml
+    saved = yaml.safe_load(open(tmp_path / "run" / "config.yaml"))
+    assert saved["rollout"]["n"] == 4 and saved["trainer"]["total_steps"] == 1
+    assert not os.path.exists(tmp_path / "run" / "final_hf")
