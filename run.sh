@@ -47,7 +47,13 @@ install_venv() {  # base install + the `test` extra, redone only when setup.py o
 }
 
 pip_install() {
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c constraints.txt "$@"
+  local out
+  # pip's output is kept quiet unless it fails (this machine's pip config warns about missing local indexes)
+  if ! out="$("$VENV/bin/python" -m pip install -q --disable-pip-version-check -c constraints.txt "$@" 2>&1)"; then
+    echo "$out" | grep -v "is ignored: it is neither" >&2
+    echo "[run.sh] error: pip install $* failed" >&2
+    exit 1
+  fi
   local tv
   tv="$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
   if [[ "$tv" != *+cpu ]]; then
