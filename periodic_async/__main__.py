@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import warnings
 
@@ -19,6 +20,10 @@ def _quiet_third_party() -> None:
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,13 +46,20 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    # SIGTERM unwinds like Ctrl-C, so that every `finally` runs and the rollout workers and reward
+    # processes are stopped and joined (no orphans).
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     from .trainer import Trainer
     try:
         trainer = Trainer(cfg)
     except (ConfigError, BackendUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    history = trainer.fit()
+    try:
+        history = trainer.fit()
+    except KeyboardInterrupt:
+        print("interrupted: rollout workers and reward processes stopped", file=sys.stderr)
+        return 130
     if history and int(os.environ.get("RANK", "0")) == 0:
         first, last = history[0]["critic/score/mean"], history[-1]["critic/score/mean"]
         print(f"done: {len(history)} steps, score {first:.3f} -> {last:.3f}, metrics in "

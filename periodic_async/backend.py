@@ -72,6 +72,51 @@ class Backend:
             return torch.npu.max_memory_allocated()  # type: ignore[attr-defined]
         return 0
 
+    # ------------------------------------------------------------------ placement
+    def rollout_placements(self, num_workers: int, trainer_procs: int) -> tuple[list[dict], dict]:
+        """Where each rollout worker and the trainer processes of this node run.
+
+        cpu: the node's cores are split - each worker gets an equal share and the trainer the
+        rest (at least one core each), so inference and training do not compete for cores.
+        cuda/npu: trainer local ranks use devices 0..trainer_procs-1, workers the next ones.
+        Returns ([worker placement], trainer placement); a placement is {"device", "cores"}."""
+        if self.name == "cpu":
+            cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+            if num_workers == 0:
+                return [], {"device": "cpu", "cores": cores}
+            if len(cores) < num_workers + 1:
+                # Oversubscribed (e.g. tests with 2 workers on 2 cores): workers share cores round-robin.
+                import logging
+                logging.getLogger(__name__).warning(
+                    "%d rollout workers + the trainer on %d CPU cores: processes will share cores",
+                    num_workers, len(cores))
+                workers = [{"device": "cpu", "cores": [cores[(w + 1) % len(cores)]]} for w in range(num_workers)]
+                return workers, {"device": "cpu", "cores": [cores[0]]}
+            per_worker = max(1, len(cores) // (num_workers + 1))
+            workers = [{"device": "cpu", "cores": cores[len(cores) - (w + 1) * per_worker:len(cores) - w * per_worker]}
+                       for w in range(num_workers)]
+            return workers, {"device": "cpu", "cores": cores[:len(cores) - num_workers * per_worker]}
+        count = torch.cuda.device_count() if self.name == "cuda" else torch.npu.device_count()  # type: ignore[attr-defined]
+        if trainer_procs + num_workers > count:
+            raise BackendUnavailable(f"{trainer_procs} trainer processes + {num_workers} rollout workers need "
+                                     f"{trainer_procs + num_workers} {self.name} devices on this node; {count} visible")
+        workers = [{"device": f"{self.name}:{trainer_procs + w}", "cores": None} for w in range(num_workers)]
+        return workers, {"device": None, "cores": None}
+
+    def enter_placement(self, placement: dict, processes_sharing: int = 1) -> torch.device:
+        """Apply a placement to the calling process (core affinity + thread count, or the device);
+        `processes_sharing` processes (e.g. trainer ranks of one node) split the cores' threads."""
+        cores = placement.get("cores")
+        if cores:
+            os.sched_setaffinity(0, cores)
+            torch.set_num_threads(max(1, len(cores) // processes_sharing))
+        device = placement.get("device")
+        if device and device != "cpu":
+            dev = torch.device(device)
+            self.set_device(dev.index or 0)
+            return dev
+        return torch.device("cpu")
+
     # ------------------------------------------------------------------ distributed
     def init_distributed(self) -> tuple[int, int, int]:
         """Join (or create) the default process group. Returns (rank, world_size, local_rank).

@@ -77,7 +77,13 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 3
-    micro_batch_size: int = 256  # sequences generated together
+    max_slots: int = 256        # sequences decoded together per engine (continuous batching)
+    # Modes periodic / sync_split: rollout worker processes, each on its own device (its own CPU
+    # cores on the cpu backend); the trainer keeps the rest.
+    num_workers: int = 1
+    queue_size: int = 1024      # bounded queue of scored groups between producer and trainer
+    worker_timeout_s: float = 120.0  # a worker with work and no result for this long is restarted
+    arrival_jitter_s: float = 0.0    # testing aid: random delay per result to shuffle arrival order
 
 
 @dataclass
@@ -106,13 +112,17 @@ class RewardConfig:
 
 @dataclass
 class TrainerConfig:
-    mode: str = "sync"
+    # periodic: overlap generation and training, weights synced at batch boundaries (on-policy);
+    # sync: generate then train, rollout engine in the trainer process (colocated baseline);
+    # sync_split: generate then train, on the same worker/trainer split as periodic.
+    mode: str = "periodic"
     total_steps: int = 300
     run_dir: str = "runs/default"
     seed: int = 1
     tensorboard: bool = True    # written when the tensorboard package is installed
     save_final: bool = True     # export the final policy as a HF directory (run_dir/final_hf)
     progress_bar: bool = True
+    record_timeline: bool = False  # write timeline.jsonl (generate / train / sync intervals)
 
 
 @dataclass
@@ -137,7 +147,12 @@ class Config:
         _choice("actor.kl_type", self.actor.kl_type, ("low_var_kl", "kl", "mse"))
         _choice("actor.loss_agg_mode", self.actor.loss_agg_mode, ("token-mean", "seq-mean-token-mean"))
         _choice("reward.name", self.reward.name, ("synthetic", "gsm8k", "custom"))
-        _choice("trainer.mode", self.trainer.mode, ("sync",))
+        _choice("trainer.mode", self.trainer.mode, ("periodic", "sync", "sync_split"))
+        if self.trainer.mode != "sync" and self.rollout.num_workers < 1:
+            raise ConfigError(f"rollout.num_workers: mode '{self.trainer.mode}' needs at least one rollout worker, "
+                              f"got {self.rollout.num_workers}")
+        if self.rollout.worker_timeout_s <= 0:
+            raise ConfigError(f"rollout.worker_timeout_s: must be > 0, got {self.rollout.worker_timeout_s}")
         if self.data.source in ("jsonl", "parquet", "hf") and not self.data.path:
             raise ConfigError(f"data.path: required when data.source is '{self.data.source}'")
         if self.reward.name == "custom" and not self.reward.custom_file:
@@ -146,7 +161,7 @@ class Config:
         if self.rollout.n < 2:
             raise ConfigError(f"rollout.n: group size must be >= 2 for group-normalised advantages, got {self.rollout.n}")
         for key in ("data.train_batch_size", "data.max_prompt_length", "rollout.max_new_tokens",
-                    "rollout.micro_batch_size", "actor.micro_batch_size", "trainer.total_steps",
+                    "rollout.max_slots", "rollout.queue_size", "actor.micro_batch_size", "trainer.total_steps",
                     "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size"):
             _positive(key, _get(self, key))
         if not self.rollout.temperature >= 0:

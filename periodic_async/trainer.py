@@ -1,44 +1,42 @@
-"""The training loop. Mode `sync`: generate -> reward -> train -> sync weights, one batch per step.
+"""The training loop: one batch per step, in three modes (`trainer.mode`).
 
-Every rank runs this loop. Rank 0 owns the rollout engine and the reward workers, generates the
-batch's groups and broadcasts them; each data-parallel rank trains on its share of the sequences
-(gradient accumulation over micro-batches, loss normalised by the whole batch's token count);
-after the optimizer step the policy's HF-layout weights stream into the rollout engine (version t+1)
-before the next batch is generated, so every sample of batch t comes from policy t.
+- periodic (default): a producer thread sends the batch's prompts to rollout worker processes;
+  complete, scored groups arrive on a bounded queue and the trainer runs their micro-steps
+  (gradient accumulation) in completion order while the rest still generate. The optimizer steps
+  once the whole batch is consumed; the new weights reach every worker (version t+1) before the
+  next batch is dispatched. Every sample of batch t comes from policy t.
+- sync_split: the same worker/trainer split, but training starts after the whole batch is
+  generated (the fair baseline for periodic).
+- sync: the rollout engine lives in the trainer process (colocated baseline).
+
+The three are the same computation: micro-steps sum unnormalised losses and the gradient is
+scaled once by the batch's normaliser (its response-token or sequence count) before the
+optimizer step, so the result does not depend on group arrival order or micro-batch split.
+
+Every rank runs this loop. Rank 0 owns the rollout side and the reward workers and broadcasts each
+group to the other ranks; data-parallel rank r trains on groups r, r + DP, r + 2 DP, ...
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .algo import grpo
 from .backend import get_backend
 from .config import Config, config_to_dict
 from .engine.actor import Actor
-from .engine.batch import TrainSample, pack_unshared, split_micro_batches
+from .engine.batch import TrainSample, pack_unshared
 from .metrics import MetricsLogger
 from .models.mcore import spec_from_hf_dir
-from .pipeline.group import Group, collect_groups
-from .rollout.base import RolloutRequest, SamplingParams
+from .pipeline.generator import ColocatedSource, Scorer, SourceStats, WorkerSource, make_plan
+from .pipeline.group import Group
+from .rollout.base import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-def request_seed(base_seed: int, step: int, group_index: int) -> int:
-    """Sampling seed of one prompt: a function of (seed, step, prompt) only, never of batching."""
-    return (base_seed * 1_000_003 + step) * 1_000_003 + group_index
-
-
-@dataclass
-class StepBatch:
-    """What rank 0 broadcasts: the scored samples of one step and the rollout-side metrics."""
-    samples: list[TrainSample]
-    metrics: dict
 
 
 class Trainer:
@@ -46,7 +44,6 @@ class Trainer:
         self.cfg = cfg
         self.backend = get_backend(cfg.backend)
         self.rank, self.world, self.local_rank = self.backend.init_distributed()
-        self.device = self.backend.device(self.local_rank)
         cfg.validate(world_size=self.world)          # before any model is built
         self.model_dir = self._prepare_model_dir()
         self.spec = spec_from_hf_dir(self.model_dir)
@@ -57,26 +54,32 @@ class Trainer:
         from megatron.core import parallel_state as ps
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        worker_placements, trainer_placement = self.backend.rollout_placements(
+            cfg.rollout.num_workers if cfg.trainer.mode != "sync" else 0, local_world)
+        self.device = self.backend.enter_placement(trainer_placement, local_world) if self.backend.name == "cpu" \
+            else self.backend.device(self.local_rank)
+
         from .data.dataset import PromptLoader, load_records
         from .models.tokenizer import load_tokenizer
         self.tokenizer = load_tokenizer(self.model_dir)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.eos_id = self.tokenizer.eos_token_id
         self.loader = PromptLoader(load_records(cfg.data), cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)
+        self.sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k,
+                                       cfg.rollout.max_new_tokens, (self.eos_id,) if self.eos_id is not None else ())
 
         self.actor = Actor(cfg.actor, self.spec, self.model_dir, cfg.model.dtype, self.device,
                            temperature=cfg.rollout.temperature or 1.0, with_reference=True)
         self.version = 0
-        self.rollout = self.reward = None
+        self.reward = self.source = None
+        self.timeline: list[dict] = []
+        layout = None
+        if cfg.trainer.mode != "sync":   # every rank takes part in the TP gathers of the export
+            layout = [(n, tuple(t.shape)) for n, t in self.actor.export_weights()]
         if self.rank == 0:
-            from .reward.manager import RewardManager
-            from .rollout.hf_engine import HFRolloutEngine
-            self.reward = RewardManager(cfg.reward)
-            self.rollout = HFRolloutEngine(self.model_dir, self.pad_id, self.eos_id,
-                                           cfg.rollout.micro_batch_size, device=self.device)
+            self.source = self._build_source(worker_placements, layout)
         self.metrics = MetricsLogger(cfg.trainer.run_dir, cfg.trainer.tensorboard, enabled=self.rank == 0)
-        self.sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k,
-                                       cfg.rollout.max_new_tokens, (self.eos_id,) if self.eos_id is not None else ())
 
     # ------------------------------------------------------------------ set-up
     def _prepare_model_dir(self) -> str:
@@ -92,6 +95,22 @@ class Trainer:
         dist.barrier()
         return path
 
+    def _build_source(self, placements, layout):
+        from .reward.manager import RewardManager
+        cfg = self.cfg
+        self.reward = RewardManager(cfg.reward)
+        scorer = Scorer(self.reward, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+        if cfg.trainer.mode == "sync":
+            from .rollout.hf_engine import HFRolloutEngine
+            engine = HFRolloutEngine(self.model_dir, self.pad_id, self.eos_id, cfg.rollout.max_slots, self.device)
+            return ColocatedSource(engine, scorer)
+        from .rollout.worker import WorkerPool, WorkerSpec
+        spec = WorkerSpec(cfg.backend, self.model_dir, self.pad_id, self.eos_id, cfg.rollout.max_slots,
+                          cfg.rollout.arrival_jitter_s)
+        from .models.mcore import _DTYPES
+        pool = WorkerPool(spec, placements, layout, _DTYPES[cfg.model.dtype], cfg.rollout.worker_timeout_s)
+        return WorkerSource(pool, scorer, cfg.rollout.queue_size, wait_for_batch=cfg.trainer.mode == "sync_split")
+
     def _tokenize_prompt(self, record) -> list[int]:
         ids = self.tokenizer(record.prompt, add_special_tokens=False).input_ids
         if len(ids) > self.cfg.data.max_prompt_length:
@@ -102,43 +121,117 @@ class Trainer:
         return ids
 
     # ------------------------------------------------------------------ one step
-    def generate_and_score(self, step: int) -> StepBatch:
-        """Rank 0: generate K responses per prompt with the current policy, score, advantages."""
-        cfg = self.cfg
-        records = self.loader.next_batch()
-        prompts = {i: (self._tokenize_prompt(r), r.answer) for i, r in enumerate(records)}
-        sizes = {i: cfg.rollout.n for i in prompts}
-        requests = [RolloutRequest(i, ids, sizes[i], self.sampling, request_seed(cfg.trainer.seed, step, i))
-                    for i, (ids, _) in prompts.items()]
-        t0 = time.perf_counter()
-        groups = collect_groups(self.rollout.generate(requests), prompts, sizes)
-        t_gen = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        items = [(self.tokenizer.decode(r.response_ids, skip_special_tokens=True), g.answer)
-                 for g in groups for r in g.results]
-        scored = self.reward.score(items)
-        t_reward = time.perf_counter() - t0
-        it = iter(scored.scores)
-        for g in groups:
-            g.rewards = [next(it) for _ in g.results]
-        advantages = grpo.group_advantages([g.rewards for g in groups])
-        samples = []
-        for g, adv in zip(groups, advantages):
-            g.advantages = adv
-            for r, a in zip(g.results, adv):
-                if r.policy_version != self.version:
-                    raise RuntimeError(f"sample of group {g.group_index} comes from policy version "
-                                       f"{r.policy_version}, trainer is at {self.version}")
-                samples.append(TrainSample(r.prompt_ids, r.response_ids, a, r.logprobs, r.policy_version))
-        return StepBatch(samples, self._rollout_metrics(groups, scored, t_gen, t_reward))
+    def _next_group(self, groups) -> Group:
+        g = next(groups) if self.rank == 0 else None
+        if self.world > 1:
+            box = [g]
+            dist.broadcast_object_list(box, src=0)
+            g = box[0]
+        if g.policy_version != self.version:
+            raise RuntimeError(f"group {g.group_index} was generated by policy version {g.policy_version}, "
+                               f"but the trainer is at version {self.version}: refusing an off-policy sample")
+        return g
 
-    def _rollout_metrics(self, groups: list[Group], scored, t_gen: float, t_reward: float) -> dict:
+    def step(self, step: int) -> dict:
+        cfg = self.cfg
+        t_step = time.perf_counter()
+        if self.rank == 0:
+            plan = make_plan(step, self.loader.next_batch(), self._tokenize_prompt, cfg.rollout.n,
+                             self.sampling, cfg.trainer.seed)
+            self.source.start(plan)
+            groups = self.source.groups()
+        else:
+            groups = None
+
+        # consume groups as they arrive; micro-step whenever a micro-batch is full
+        sums: dict[str, float] = {}
+        consumed: list[Group] = []
+        pending: list[TrainSample] = []
+        wait_s = train_s = 0.0
+        train_intervals = []
+
+        def micro_step(samples):
+            nonlocal train_s
+            t0 = time.perf_counter()
+            for k, v in self.actor.train_micro_step(pack_unshared(samples, self.pad_id), 1.0).items():
+                sums[k] = sums.get(k, 0.0) + v
+            t1 = time.perf_counter()
+            train_s += t1 - t0
+            train_intervals.append((t0, t1))
+
+        n_groups = cfg.data.train_batch_size
+        for i in range(n_groups):
+            t0 = time.perf_counter()
+            g = self._next_group(groups)
+            wait_s += time.perf_counter() - t0
+            consumed.append(g)
+            if i % self.dp_size == self.dp_rank:
+                pending += [TrainSample(r.prompt_ids, r.response_ids, a, r.logprobs, r.policy_version)
+                            for r, a in zip(g.results, g.advantages)]
+            while len(pending) >= cfg.actor.micro_batch_size or (pending and i == n_groups - 1):
+                micro_step(pending[:cfg.actor.micro_batch_size])
+                pending = pending[cfg.actor.micro_batch_size:]
+        if self.rank == 0:
+            for _ in groups:   # drain the end-of-batch marker
+                raise RuntimeError("the rollout source produced more groups than the batch has prompts")
+        t_train_end = time.perf_counter()
+
+        normaliser = self._normaliser(consumed)
+        if self.dp_size > 1:
+            from megatron.core import parallel_state as ps
+            keys = sorted(sums)
+            t = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+            dist.all_reduce(t, group=ps.get_data_parallel_group())
+            sums = dict(zip(keys, t.tolist()))
+        metrics = {k: v / normaliser for k, v in sums.items()}
+        t0 = time.perf_counter()
+        metrics.update(self.actor.optimizer_step(grad_scale=1.0 / normaliser))
+        train_s += time.perf_counter() - t0
+        metrics["timing_s/update_actor"] = train_s
+
+        t_sync = time.perf_counter()
+        self.sync_weights()
+        t_sync_end = time.perf_counter()
+        metrics["timing_s/update_weights"] = t_sync_end - t_sync
+        metrics["timing_s/step"] = t_sync_end - t_step
+        metrics["trainer/idle_ratio"] = wait_s / metrics["timing_s/step"]
+        if self.rank == 0:
+            metrics.update(self._rollout_metrics(consumed, self.source.stats, metrics["timing_s/step"]))
+            stats = self.source.stats
+            overlap = max(0.0, stats.gen_s + train_s - (t_train_end - stats.t_dispatch))
+            metrics["perf/overlap_s"] = overlap
+            metrics["perf/overlap_ratio"] = overlap / max(1e-9, min(stats.gen_s, train_s))
+            if cfg.trainer.record_timeline:
+                self._record_timeline(step, stats, train_intervals, (t_sync, t_sync_end), t_step)
+        n_tokens = sum(len(r.prompt_ids) + len(r.response_ids) for g in consumed for r in g.results)
+        metrics["perf/total_num_tokens"] = n_tokens
+        metrics["perf/throughput"] = n_tokens / metrics["timing_s/step"] / self._num_devices()
+        metrics["training/off_policy/trajectory_staleness/mean"] = float(
+            sum(self.version - 1 - r.policy_version for g in consumed for r in g.results)
+            / sum(g.size for g in consumed))
+        metrics["training/policy_version"] = self.version
+        return metrics
+
+    def _normaliser(self, groups: list[Group]) -> float:
+        if self.cfg.actor.loss_agg_mode == "token-mean":
+            return float(sum(len(r.response_ids) for g in groups for r in g.results))
+        return float(sum(g.size for g in groups))
+
+    def _num_devices(self) -> int:
+        """Trainer ranks plus rollout workers: throughput is per device of the whole job."""
+        return self.world + (self.cfg.rollout.num_workers if self.cfg.trainer.mode != "sync" else 0)
+
+    def _rollout_metrics(self, groups: list[Group], stats: SourceStats, step_s: float) -> dict:
         scores = torch.tensor([s for g in groups for s in g.rewards])
         adv = torch.tensor([a for g in groups for a in g.advantages])
         resp_len = torch.tensor([len(r.response_ids) for g in groups for r in g.results], dtype=torch.float)
         prompt_len = torch.tensor([len(g.prompt_ids) for g in groups], dtype=torch.float)
         truncated = sum(r.finish_reason == "length" for g in groups for r in g.results)
-        solved = sum(max(g.rewards) >= 1.0 for g in groups)
+        busy: dict[int, list[tuple[float, float]]] = {}
+        for r in stats.results:
+            busy.setdefault(r.timings.get("worker", 0), []).append((r.timings["start"], r.timings["end"]))
+        n_engines = max(1, self.cfg.rollout.num_workers if self.cfg.trainer.mode != "sync" else 1)
+        busy_s = sum(_union_length(iv) for iv in busy.values()) / n_engines
         return {
             "critic/score/mean": scores.mean().item(), "critic/score/max": scores.max().item(),
             "critic/score/min": scores.min().item(), "critic/rewards/mean": scores.mean().item(),
@@ -147,64 +240,32 @@ class Trainer:
             "response_length/mean": resp_len.mean().item(), "response_length/max": resp_len.max().item(),
             "response_length/min": resp_len.min().item(), "response_length/clip_ratio": truncated / len(resp_len),
             "prompt_length/mean": prompt_len.mean().item(),
-            "rollout/solve_all_ratio": solved / len(groups),
-            "reward/num_errors": scored.num_errors, "reward/num_timeouts": scored.num_timeouts,
-            "timing_s/gen": t_gen, "timing_s/reward": t_reward,
+            "rollout/solve_all_ratio": sum(max(g.rewards) >= 1.0 for g in groups) / len(groups),
+            "reward/num_errors": stats.num_errors, "reward/num_timeouts": stats.num_timeouts,
+            "timing_s/gen": stats.gen_s, "timing_s/reward": stats.reward_s,
+            "rollouter/idle_ratio": max(0.0, 1.0 - busy_s / step_s),
+            "rollouter/restarts": getattr(getattr(self.source, "pool", None), "restarts", 0),
         }
 
-    def train_on(self, samples: list[TrainSample]) -> dict:
-        """This DP rank's share of the batch: micro-steps (gradient accumulation), then one
-        optimizer step. The loss normaliser covers the whole batch on every rank."""
-        cfg = self.cfg.actor
-        full_mask = [pack_unshared([s], self.pad_id).loss_mask for s in samples]
-        if cfg.loss_agg_mode == "token-mean":
-            normaliser = float(sum(m.sum() for m in full_mask))
-        else:
-            normaliser = float(len(samples))
-        mine = samples[self.dp_rank::self.dp_size]
-        sums: dict[str, float] = {}
-        for chunk in split_micro_batches(mine, cfg.micro_batch_size):
-            for k, v in self.actor.train_micro_step(pack_unshared(chunk, self.pad_id), normaliser).items():
-                sums[k] = sums.get(k, 0.0) + v
-        if self.dp_size > 1:
-            from megatron.core import parallel_state as ps
-            keys = sorted(sums)
-            t = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
-            dist.all_reduce(t, group=ps.get_data_parallel_group())
-            sums = dict(zip(keys, t.tolist()))
-        sums.update(self.actor.optimizer_step())
-        return sums
+    def _record_timeline(self, step, stats: SourceStats, train_intervals, sync_interval, t_step) -> None:
+        for r in stats.results:
+            self.timeline.append({"step": step, "kind": "generate", "lane": f"worker{r.timings.get('worker', 0)}"
+                                  f"/slot{r.timings['slot']}", "start": r.timings["start"], "end": r.timings["end"]})
+        for a, b in train_intervals:
+            self.timeline.append({"step": step, "kind": "train", "lane": "trainer", "start": a, "end": b})
+        self.timeline.append({"step": step, "kind": "update_weights", "lane": "trainer",
+                              "start": sync_interval[0], "end": sync_interval[1]})
 
     def sync_weights(self) -> None:
-        """Stream the new policy (HF layout) into the rollout engine as version t+1."""
+        """Stream the new policy (HF layout) to the rollout side as version t+1; returns once
+        every engine holds it."""
         self.version += 1
         named = self.actor.export_weights()
-        if self.rollout is not None:
-            self.rollout.update_weights(named, self.version)
+        if self.source is not None:
+            self.source.update_weights(named, self.version)
         else:
             for _ in named:   # other ranks take part in the TP gathers
                 pass
-
-    def step(self, step: int) -> dict:
-        t_step = time.perf_counter()
-        batch = [self.generate_and_score(step) if self.rank == 0 else None]
-        if self.world > 1:
-            dist.broadcast_object_list(batch, src=0)
-        samples, metrics = batch[0].samples, dict(batch[0].metrics)
-        t0 = time.perf_counter()
-        metrics.update(self.train_on(samples))
-        metrics["timing_s/update_actor"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        self.sync_weights()
-        metrics["timing_s/update_weights"] = time.perf_counter() - t0
-        metrics["timing_s/step"] = time.perf_counter() - t_step
-        n_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        metrics["perf/total_num_tokens"] = n_tokens
-        metrics["perf/throughput"] = n_tokens / metrics["timing_s/step"] / self.world
-        metrics["training/off_policy/trajectory_staleness/mean"] = float(
-            sum(self.version - 1 - s.policy_version for s in samples) / len(samples))
-        metrics["training/policy_version"] = self.version
-        return metrics
 
     # ------------------------------------------------------------------ the run
     def fit(self) -> list[dict]:
@@ -213,7 +274,7 @@ class Trainer:
         bar = None
         if self.rank == 0 and cfg.progress_bar:
             from tqdm import tqdm
-            bar = tqdm(total=cfg.total_steps, desc="GRPO", unit="step", dynamic_ncols=True)
+            bar = tqdm(total=cfg.total_steps, desc=f"GRPO ({cfg.mode})", unit="step", dynamic_ncols=True)
         try:
             for step in range(1, cfg.total_steps + 1):
                 metrics = self.step(step)
@@ -226,7 +287,11 @@ class Trainer:
                         bar.set_postfix(score=f"{metrics['critic/score/mean']:.3f}")
                     else:
                         print(line, flush=True)
-            if self.cfg.trainer.save_final:
+            if cfg.record_timeline and self.rank == 0:
+                with open(os.path.join(cfg.run_dir, "timeline.jsonl"), "w") as f:
+                    for event in self.timeline:
+                        f.write(json.dumps(event) + "\n")
+            if cfg.save_final:
                 self.save_hf(os.path.join(cfg.run_dir, "final_hf"))
         finally:
             if bar is not None:
@@ -246,7 +311,24 @@ class Trainer:
 
     def close(self) -> None:
         self.metrics.close()
+        if self.source is not None:
+            self.source.close()
+            self.source = None
         if self.reward is not None:
             self.reward.close()
-        if self.rollout is not None:
-            self.rollout.close()
+            self.reward = None
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by a set of [start, end] intervals."""
+    total, cur_a, cur_b = 0.0, None, None
+    for a, b in sorted(intervals):
+        if cur_b is None or a > cur_b:
+            if cur_b is not None:
+                total += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    if cur_b is not None:
+        total += cur_b - cur_a
+    return total

@@ -18,7 +18,7 @@ REQUIRED = ["actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"
 
 
 def _cfg(tmp_path, *extra):
-    return load_config("configs/default.yaml", [
+    return load_config("configs/default.yaml", ["trainer.mode=sync",
         f"trainer.run_dir={tmp_path / 'run'}", "trainer.total_steps=3", "trainer.progress_bar=false",
         "data.train_batch_size=4", "rollout.n=4", "actor.micro_batch_size=6", "actor.kl_coef=0.1",
         "reward.num_workers=1", *extra])
@@ -26,6 +26,7 @@ def _cfg(tmp_path, *extra):
 
 def test_short_run_changes_policy_not_reference(tmp_path):
     trainer = Trainer(_cfg(tmp_path))
+    trainer_engine = trainer.source.engine
     policy0 = {n: p.detach().clone() for n, p in trainer.actor.policy.named_parameters()}
     ref0 = {n: p.detach().clone() for n, p in trainer.actor.reference.named_parameters()}
     history = trainer.fit()
@@ -37,9 +38,10 @@ def test_short_run_changes_policy_not_reference(tmp_path):
         assert torch.equal(p, ref0[n]), n             # the reference never does
     assert all(not p.requires_grad for p in trainer.actor.reference.parameters())
 
-    # the rollout engine holds exactly the trained policy (version 3)
-    assert trainer.rollout.policy_version == 3
-    engine = dict(trainer.rollout.model.named_parameters())
+    # the (colocated) rollout engine holds exactly the trained policy (version 3)
+    engine_obj = trainer_engine
+    assert engine_obj.policy_version == 3
+    engine = dict(engine_obj.model.named_parameters())
     for name, t in trainer.actor.export_weights():
         assert torch.equal(engine[name], t), name
 

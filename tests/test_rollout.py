@@ -33,7 +33,7 @@ def model(tmp_path_factory):
 
 
 def _engine(path, tok, mbs=256):
-    return HFRolloutEngine(path, tok.pad_token_id, tok.eos_token_id, micro_batch_size=mbs)
+    return HFRolloutEngine(path, tok.pad_token_id, tok.eos_token_id, max_slots=mbs)
 
 
 PROMPTS = ["4719=", "12=", "9=", "30571="]

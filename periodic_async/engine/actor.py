@@ -80,7 +80,9 @@ class Actor:
         return metrics
 
     # ------------------------------------------------------------------ update
-    def optimizer_step(self) -> dict[str, float]:
+    def optimizer_step(self, grad_scale: float = 1.0) -> dict[str, float]:
+        """All-reduce gradients over DP, multiply by `grad_scale` (the batch normaliser's inverse
+        when micro-steps ran with normaliser 1), clip by the global norm, step."""
         from megatron.core import parallel_state as ps
         params = [p for p in self.policy.parameters() if p.requires_grad]
         for p in params:
@@ -92,6 +94,9 @@ class Actor:
             dist.all_reduce(flat, group=ps.get_data_parallel_group())
             for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 g.copy_(synced)
+        if grad_scale != 1.0:
+            for p in params:
+                p.grad.mul_(grad_scale)
         grad_norm = self.global_grad_norm(params)
         if self.cfg.grad_clip > 0 and math.isfinite(grad_norm) and grad_norm > self.cfg.grad_clip:
             scale = self.cfg.grad_clip / (grad_norm + 1e-6)

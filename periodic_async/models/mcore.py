@@ -2,7 +2,8 @@
 
 `ModelSpec` is the architecture read from a Hugging Face `config.json`; `build_gpt_model` maps it
 onto Megatron-core's local layer spec (RMSNorm, SwiGLU, RoPE, GQA, optional QKV bias), the same
-mapping on every backend. The core-attention module is the place shared-prompt attention plugs in.
+mapping on every backend. The core-attention module is selectable: Megatron's local
+DotProductAttention, or shared-prompt attention (kernels/shared_prompt, docs/shared-prompt.md).
 """
 from __future__ import annotations
 
@@ -90,15 +91,79 @@ def transformer_config(spec: ModelSpec, dtype: str = "float32"):
         sequence_parallel=False)
 
 
-def build_gpt_model(spec: ModelSpec, dtype: str = "float32"):
+CORE_ATTENTIONS = ("local", "shared_prompt")
+
+
+def build_gpt_model(spec: ModelSpec, dtype: str = "float32", core_attention: str = "local",
+                    attention_impl: str = "sdpa"):
     """A Megatron-core GPTModel on the current TP/PP groups (parallel state must be initialised).
     Forward: (input_ids [B, S], position_ids [B, S], attention_mask [B|1, 1, S, S] bool,
-    True = masked out) -> logits [B, S, V/TP] (vocab-sharded)."""
+    True = masked out) -> logits [B, S, V/TP] (vocab-sharded).
+
+    core_attention: "local" - Megatron's DotProductAttention in the local spec (GPTModel, RoPE over
+    0..S-1, position_ids unused); "shared_prompt" - kernels/shared_prompt's core attention
+    (`attention_impl`: the backend's attention_impl name) in `PositionRopeGPTModel`, whose RoPE
+    follows position_ids; its attention_mask may also be a `SharedPromptLayout` (docs/shared-prompt.md)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    return GPTModel(
+    if core_attention not in CORE_ATTENTIONS:
+        raise ValueError(f"core_attention '{core_attention}' is unknown; allowed: {', '.join(CORE_ATTENTIONS)}")
+    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    model_cls = GPTModel
+    if core_attention == "shared_prompt":
+        layer_spec = shared_prompt_layer_spec(layer_spec, attention_impl)
+        model_cls = _position_rope_gpt_model_cls()
+    return model_cls(
         config=transformer_config(spec, dtype),
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=layer_spec,
         vocab_size=spec.vocab_size, max_sequence_length=spec.max_position_embeddings,
         position_embedding_type="rope", rotary_base=int(spec.rope_theta),
         share_embeddings_and_output_weights=spec.tie_word_embeddings)
+
+
+def shared_prompt_layer_spec(layer_spec, attention_impl: str):
+    """A copy of `layer_spec` whose core attention is SharedPromptCoreAttention(attention_impl)."""
+    import copy
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from kernels.shared_prompt import IMPLS
+    from kernels.shared_prompt.megatron import SharedPromptCoreAttention
+    if attention_impl not in IMPLS:
+        raise ValueError(f"attention_impl '{attention_impl}' is unknown; allowed: {', '.join(IMPLS)}")
+    layer_spec = copy.deepcopy(layer_spec)
+    layer_spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+        module=SharedPromptCoreAttention, params={"attention_impl": attention_impl})
+    return layer_spec
+
+
+_POSITION_ROPE_CLS = None
+
+
+def _position_rope_gpt_model_cls():
+    """GPTModel whose rotary embedding is indexed by position_ids.
+
+    Megatron's GPTModel applies RoPE for positions 0..S-1 of the row whatever position_ids say
+    (they only feed learned absolute embeddings). Shared-prompt packing restarts the positions of
+    every response at P, so here the RoPE table (S rows) is gathered per token: [S, B, 1, dim].
+    Position ids must be < S (true for both packers). With position_ids = arange(S) the values are
+    exactly Megatron's."""
+    global _POSITION_ROPE_CLS
+    if _POSITION_ROPE_CLS is None:
+        from megatron.core.models.gpt import GPTModel
+
+        class PositionRopeGPTModel(GPTModel):
+            def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
+                            packed_seq_params=None, padding_mask=None):
+                out = super()._preprocess(input_ids=input_ids, position_ids=position_ids,
+                                          decoder_input=decoder_input, inference_context=inference_context,
+                                          packed_seq_params=packed_seq_params, padding_mask=padding_mask)
+                rope = out[1]
+                if rope is None or position_ids is None or inference_context is not None:
+                    return out
+                if packed_seq_params is not None:
+                    raise ValueError("PositionRopeGPTModel does not take packed_seq_params")
+                table = rope[:, 0, 0]                                   # [S, dim]
+                per_token = table[position_ids.t()].unsqueeze(2)        # [S, B, 1, dim]
+                return (out[0], per_token) + tuple(out[2:])
+
+        _POSITION_ROPE_CLS = PositionRopeGPTModel
+    return _POSITION_ROPE_CLS

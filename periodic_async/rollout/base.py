@@ -30,6 +30,9 @@ class RolloutRequest:
     n: int                        # K, the group size of THIS prompt
     sampling: SamplingParams
     seed: int
+    # Which samples k to generate (None = all of range(n)): a re-dispatch after a worker failure
+    # asks only for the missing ones, and later a pilot-commit allocator sends more in two phases.
+    sample_indices: list[int] | None = None
 
 
 @dataclass

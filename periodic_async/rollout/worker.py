@@ -1,0 +1,324 @@
+"""Rollout workers in their own processes, and the pool that feeds, watches and syncs them.
+
+Each worker process owns a rollout engine on its own device (its own cores on CPU) and serves
+requests continuously: new requests join the running batch as slots free up. Results go back on
+one shared queue as each response finishes.
+
+Weight sync (one node): the trainer writes the policy's HF-layout tensors into ONE flat
+shared-memory buffer and tells every worker the new version; each worker copies from the buffer
+into its engine when it is idle and acknowledges. The pool dispatches the next batch only after
+every worker has acknowledged, so every sample of batch t comes from policy t.
+
+Faults: a worker that dies, or makes no progress for `worker_timeout_s` while it has work, is
+killed and restarted from the buffer (the current weights); the samples it still owed are
+re-dispatched (only those - `sample_indices`), and a late or duplicate result is dropped, so no
+sample is lost or counted twice. Workers die with the trainer (PR_SET_PDEATHSIG on Linux) and
+`close()` stops and joins them: no orphan processes.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import random
+import signal
+import time
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+import torch.multiprocessing as mp
+
+from .base import RolloutRequest, RolloutResult
+
+log = logging.getLogger(__name__)
+
+
+class WorkerError(RuntimeError):
+    """A rollout worker failed in a way a restart does not fix (e.g. it cannot start)."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker process needs to build its engine (picklable)."""
+    backend: str
+    model_dir: str
+    pad_token_id: int
+    eos_token_id: int | None
+    max_slots: int
+    # Testing aid: a random delay of up to this many seconds before each result is sent, so that
+    # results from several workers arrive in a shuffled order. 0 in real runs.
+    arrival_jitter_s: float = 0.0
+
+
+Layout = list[tuple[str, tuple[int, ...]]]
+
+
+def _views(buf: torch.Tensor, layout: Layout) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, view into the flat buffer) in layout order."""
+    offset = 0
+    for name, shape in layout:
+        n = math.prod(shape)
+        yield name, buf[offset:offset + n].view(shape)
+        offset += n
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (no orphans even on SIGKILL)."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
+
+
+def _worker_main(wid: int, spec: WorkerSpec, placement: dict, inbox, outbox, buf: torch.Tensor,
+                 layout: Layout, version: int) -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the trainer handles Ctrl-C and stops us
+    try:
+        from ..backend import get_backend
+        backend = get_backend(spec.backend)
+        device = backend.enter_placement(placement)
+        from .hf_engine import HFRolloutEngine
+        engine = HFRolloutEngine(spec.model_dir, spec.pad_token_id, spec.eos_token_id, spec.max_slots, device)
+        if version > 0:
+            engine.update_weights(_views(buf, layout), version)
+    except BaseException as e:  # noqa: BLE001 - reported to the pool, which raises it
+        outbox.put(("error", wid, f"worker {wid} failed to start: {type(e).__name__}: {e}"))
+        return
+    outbox.put(("ready", wid, os.getpid(), version))
+    rng = random.Random(wid * 7919 + version)
+    state = {"active": 0, "update": None, "stop": False}
+
+    def poll():
+        """New requests since the last decode step; applies a weight update once idle."""
+        new: list[RolloutRequest] = []
+        idle = state["active"] == 0
+        while True:
+            try:
+                msg = inbox.get(timeout=0.02) if idle and not new and state["update"] is None else inbox.get_nowait()
+            except queue.Empty:
+                break
+            if msg[0] == "generate":
+                new.extend(msg[1])
+            elif msg[0] == "update":
+                state["update"] = msg[1]
+            elif msg[0] == "stop":
+                state["stop"] = True
+                break
+        if state["update"] is not None and idle and not new:
+            v = state["update"]
+            engine.update_weights(_views(buf, layout), v)
+            state["update"] = None
+            outbox.put(("updated", wid, v))
+        if state["stop"] and idle and not new:
+            return None
+        return new
+
+    def on_slots(n: int) -> None:
+        state["active"] = n
+
+    for result in engine.serve(poll, on_slots=on_slots):
+        if spec.arrival_jitter_s > 0:
+            time.sleep(rng.uniform(0, spec.arrival_jitter_s))
+        result.timings["worker"] = wid
+        outbox.put(("result", wid, result))
+
+
+@dataclass
+class _Handle:
+    process: mp.Process
+    inbox: object
+    pid: int = 0
+    last_progress: float = 0.0
+
+
+class WorkerPool:
+    """Parent-side owner of the rollout worker processes."""
+
+    def __init__(self, spec: WorkerSpec, placements: list[dict], layout: Layout, dtype: torch.dtype = torch.float32,
+                 worker_timeout_s: float = 120.0, startup_timeout_s: float = 300.0):
+        self.spec, self.placements, self.layout = spec, placements, layout
+        self.worker_timeout_s, self.startup_timeout_s = worker_timeout_s, startup_timeout_s
+        self._ctx = mp.get_context("spawn")
+        self._outbox = self._ctx.Queue()
+        self._buf = torch.zeros(sum(math.prod(s) for _, s in layout), dtype=dtype).share_memory_()
+        self.version = 0
+        self.restarts = 0
+        self.dropped_results = 0
+        self._owner: dict[tuple[int, int], int] = {}          # (group, k) -> worker id
+        self._requests: dict[int, RolloutRequest] = {}        # group -> its request (for re-dispatch)
+        self._workers: list[_Handle | None] = [None] * len(placements)
+        self._closed = False
+        try:
+            for wid in range(len(placements)):
+                self._spawn(wid)
+            self._await("ready", set(range(len(placements))), self.startup_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._workers)
+
+    def pids(self) -> list[int]:
+        return [h.pid for h in self._workers if h is not None]
+
+    # ------------------------------------------------------------------ processes
+    def _spawn(self, wid: int) -> None:
+        inbox = self._ctx.Queue()
+        p = self._ctx.Process(target=_worker_main, name=f"rollout-worker-{wid}", daemon=True,
+                              args=(wid, self.spec, self.placements[wid], inbox, self._outbox, self._buf,
+                                    self.layout, self.version))
+        p.start()
+        self._workers[wid] = _Handle(p, inbox, pid=p.pid, last_progress=time.monotonic())
+
+    def _await(self, kind: str, wids: set[int], timeout: float, version: int | None = None) -> None:
+        """Wait for a `kind` message ("ready" / "updated") from each worker in `wids`, restarting
+        any that dies meanwhile (a restarted worker starts at the current version: it counts)."""
+        deadline = time.monotonic() + timeout
+        waiting = set(wids)
+        while waiting:
+            if time.monotonic() > deadline:
+                raise WorkerError(f"rollout workers {sorted(waiting)} did not report '{kind}' within {timeout:.0f} s")
+            try:
+                msg = self._outbox.get(timeout=0.2)
+            except queue.Empty:
+                for wid in list(waiting):
+                    if not self._workers[wid].process.is_alive():
+                        self._restart(wid, f"died while the pool waited for '{kind}'")
+                        self._await("ready", {wid}, self.startup_timeout_s)
+                        waiting.discard(wid)
+                continue
+            self._handle_side_message(msg)
+            if msg[0] == kind and msg[1] in waiting and (version is None or msg[-1] == version):
+                waiting.discard(msg[1])
+            elif msg[0] == "ready" and kind == "updated" and msg[1] in waiting and msg[-1] == version:
+                waiting.discard(msg[1])     # restarted mid-update: it loaded the new weights at start
+            elif msg[0] == "result":
+                self.dropped_results += 1   # a late duplicate from before a restart
+
+    def _handle_side_message(self, msg) -> None:
+        if msg[0] == "error":
+            raise WorkerError(msg[2])
+        if msg[0] == "ready":
+            self._workers[msg[1]].pid = msg[2]
+
+    def _restart(self, wid: int, why: str) -> None:
+        h = self._workers[wid]
+        log.warning("rollout worker %d (pid %d) %s; restarting it with weights version %d", wid, h.pid, why, self.version)
+        if h.process.is_alive():
+            h.process.kill()
+        h.process.join(timeout=10)
+        self.restarts += 1
+        self._spawn(wid)
+
+    def kill_worker(self, wid: int) -> None:
+        """Testing aid: SIGKILL a worker, as a crash would."""
+        os.kill(self._workers[wid].pid, signal.SIGKILL)
+
+    # ------------------------------------------------------------------ generation
+    def dispatch(self, requests: list[RolloutRequest]) -> None:
+        """Send each request to the worker with the least outstanding samples."""
+        load = {wid: 0 for wid in range(self.num_workers)}
+        for w in self._owner.values():
+            load[w] += 1
+        per_worker: dict[int, list[RolloutRequest]] = {}
+        for r in requests:
+            wid = min(load, key=lambda w: (load[w], w))
+            ks = r.sample_indices if r.sample_indices is not None else list(range(r.n))
+            for k in ks:
+                self._owner[(r.group_index, k)] = wid
+            load[wid] += len(ks)
+            self._requests.setdefault(r.group_index, r)
+            per_worker.setdefault(wid, []).append(r)
+        now = time.monotonic()
+        for wid, reqs in per_worker.items():
+            self._workers[wid].last_progress = now
+            self._workers[wid].inbox.put(("generate", reqs))
+
+    def results(self) -> Iterator[RolloutResult]:
+        """Results of everything dispatched, as they arrive, each exactly once."""
+        while self._owner:
+            try:
+                msg = self._outbox.get(timeout=0.2)
+            except queue.Empty:
+                self._check_health()
+                continue
+            self._handle_side_message(msg)
+            if msg[0] != "result":
+                continue
+            wid, r = msg[1], msg[2]
+            key = (r.group_index, r.sample_index)
+            if self._owner.get(key) is None or r.policy_version != self.version:
+                self.dropped_results += 1
+                continue
+            del self._owner[key]
+            self._workers[wid].last_progress = time.monotonic()
+            yield r
+        self._requests.clear()
+
+    def _check_health(self) -> None:
+        now = time.monotonic()
+        for wid, h in enumerate(self._workers):
+            owed = [key for key, w in self._owner.items() if w == wid]
+            dead = not h.process.is_alive()
+            stuck = owed and now - h.last_progress > self.worker_timeout_s
+            if not (dead or stuck):
+                continue
+            self._restart(wid, "died" if dead else f"made no progress for {self.worker_timeout_s:.0f} s")
+            self._await("ready", {wid}, self.startup_timeout_s)
+            by_group: dict[int, list[int]] = {}
+            for g, k in owed:
+                by_group.setdefault(g, []).append(k)
+                del self._owner[(g, k)]
+            again = []
+            for g, ks in sorted(by_group.items()):
+                r = self._requests[g]
+                again.append(RolloutRequest(r.group_index, r.prompt_ids, r.n, r.sampling, r.seed, sorted(ks)))
+            log.warning("re-dispatching %d samples of %d groups from worker %d", len(owed), len(by_group), wid)
+            self.dispatch(again)
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Write the new weights into the shared buffer, then wait until every worker has them."""
+        expected = dict(self.layout)
+        views = dict(_views(self._buf, self.layout))
+        seen = set()
+        for name, t in named_tensors:
+            if name not in views:
+                raise KeyError(f"rollout weight sync: workers have no parameter '{name}'")
+            if tuple(t.shape) != expected[name]:
+                raise ValueError(f"rollout weight sync: '{name}' has shape {tuple(t.shape)}, workers expect {expected[name]}")
+            views[name].copy_(t)
+            seen.add(name)
+        if seen != set(views):
+            raise KeyError(f"rollout weight sync: no tensor received for {sorted(set(views) - seen)[:5]}")
+        self.version = version
+        for h in self._workers:
+            h.inbox.put(("update", version))
+        self._await("updated", set(range(self.num_workers)), self.startup_timeout_s, version=version)
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._workers:
+            if h is not None and h.process.is_alive():
+                try:
+                    h.inbox.put(("stop",))
+                except (OSError, ValueError):
+                    pass
+        deadline = time.monotonic() + 5
+        for h in self._workers:
+            if h is None:
+                continue
+            h.process.join(timeout=max(0.1, deadline - time.monotonic()))
+            if h.process.is_alive():
+                h.process.kill()
+                h.process.join(timeout=5)

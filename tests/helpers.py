@@ -1,0 +1,191 @@
+"""Shared test helpers (a plain module, not a test file): random HF model directories and the
+TP-parity computation that both the in-process TP=1 test and the torchrun TP=2 worker
+(tests/dist_tp_worker.py) run, so the two sides compute exactly the same thing.
+
+Importable as `helpers` from test files (pytest puts tests/ on sys.path) and from scripts run as
+`python tests/<script>.py` (the script's directory is sys.path[0]).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+# ---------------------------------------------------------------------- random HF model dirs
+
+
+def make_hf_model_dir(path, arch: str = "qwen2", hidden: int = 128, heads: int = 4, kv_heads: int = 2,
+                      layers: int = 2, ffn: int = 256, vocab: int = 24, tied: bool = True,
+                      init_std: float = 0.2, seed: int = 0, rope_theta: float = 1.0e6,
+                      max_positions: int = 128) -> str:
+    """Write a random-init Qwen2ForCausalLM / LlamaForCausalLM directory (safetensors) plus the char
+    tokenizer to `path` and return it as a str.
+
+    `init_std` is the config's initializer_range: a large value (0.2) makes logits far from uniform,
+    so layout mistakes show up as large errors. HF initialises RMSNorm weights to 1 and the Qwen2
+    q/k/v biases to 0, which would hide a swapped norm or a mis-split bias; both are therefore
+    re-drawn (norms ~ N(1, 0.1), biases ~ N(0, init_std)). Deterministic in `seed`; the global RNG
+    is left untouched. `vocab` may exceed the tokenizer's size (the extra rows are unused ids).
+    """
+    from periodic_async.models.tokenizer import build_char_tokenizer, mark_char_tokenizer
+
+    path = str(path)
+    tok = build_char_tokenizer()
+    if vocab < len(tok):
+        raise ValueError(f"vocab={vocab} is smaller than the char tokenizer ({len(tok)} tokens)")
+    if hidden % heads:
+        raise ValueError(f"hidden={hidden} is not divisible by heads={heads}")
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+                  rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+                  tie_word_embeddings=tied, rms_norm_eps=1e-6, initializer_range=init_std,
+                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    if arch == "qwen2":
+        from transformers import Qwen2Config as ConfigCls, Qwen2ForCausalLM as ModelCls
+        cfg = ConfigCls(**common, architectures=["Qwen2ForCausalLM"])
+    elif arch == "llama":
+        from transformers import LlamaConfig as ConfigCls, LlamaForCausalLM as ModelCls
+        cfg = ConfigCls(**common, head_dim=hidden // heads, attention_bias=False, mlp_bias=False,
+                        architectures=["LlamaForCausalLM"])
+    else:
+        raise ValueError(f"arch '{arch}': allowed qwen2, llama")
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = ModelCls(cfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(1.0, 0.1)
+                elif name.endswith(".bias"):
+                    p.normal_(0.0, init_std)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    mark_char_tokenizer(path)
+    return path
+
+
+def load_hf_model(path: str):
+    """The HF transformers model of a directory, fp32, eager attention (the exact reference)."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+# ---------------------------------------------------------------------- fixed inputs
+
+LOGITS_SHAPE = (2, 11)          # [B, S] of the fixed logits input
+TEMPERATURE = 0.8               # the actor's sampling temperature (exercises the logits scaling)
+NORMALISER = 17.0               # batch-wide normaliser; deliberately != this micro-batch's token count
+KL_COEF, ENTROPY_COEF = 0.1, 0.01
+
+
+def fixed_input_ids(vocab: int, shape=LOGITS_SHAPE, seed: int = 123) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, shape, generator=g)
+
+
+def megatron_inputs(input_ids: torch.Tensor):
+    """(position_ids [B, S], attention_mask [1, 1, S, S] bool, True = masked) for a causal forward."""
+    from periodic_async.engine.batch import causal_mask
+    b, s = input_ids.shape
+    return torch.arange(s)[None].expand(b, -1).contiguous(), causal_mask(s)
+
+
+def fixed_samples():
+    """Three sequences of different prompt/response lengths with non-trivial advantages."""
+    from periodic_async.engine.batch import TrainSample
+    return [
+        TrainSample([5, 6, 7, 8], [9, 10, 11, 12, 1], 1.3),
+        TrainSample([3, 4, 5, 6, 7, 8], [20, 21], -0.7),
+        TrainSample([12, 13, 14], [15, 16, 17, 18, 19, 2, 1], 0.4),
+    ]
+
+
+def fixed_micro_batch(pad_token_id: int = 0):
+    from periodic_async.engine.batch import pack_unshared
+    return pack_unshared(fixed_samples(), pad_token_id)
+
+
+def actor_config():
+    from periodic_async.config import ActorConfig
+    return ActorConfig(kl_coef=KL_COEF, entropy_coef=ENTROPY_COEF)
+
+
+# ---------------------------------------------------------------------- the TP-parity computation
+
+
+def gather_vocab(local: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary tensor from vocab-parallel shards on the last dim (TP rank order)."""
+    from megatron.core import parallel_state as ps
+    import torch.distributed as dist
+    size = ps.get_tensor_model_parallel_world_size()
+    if size == 1:
+        return local.detach().clone()
+    parts = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(parts, local.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1)
+
+
+def tp_parity_quantities(model_dir: str, ref_dir: str | None = None) -> dict:
+    """Everything the TP-parity test compares, computed on the CURRENT process group and Megatron
+    parallel state (call Backend.init_model_parallel(tp, 1, seed) first); every TP rank must call it.
+
+    Builds an Actor (policy + reference) from `model_dir`; when `ref_dir` is given the reference is
+    re-loaded from it so the KL term and its gradient are non-zero. Returns a dict of CPU tensors /
+    floats, identical on every rank:
+      weights:        HF-layout export of the policy (must equal the source checkpoint exactly)
+      logits:         policy logits [B, S, V] on fixed_input_ids, gathered over TP
+      logits_mc:      the same via megatron's gather_from_tensor_model_parallel_region
+      logp, entropy:  vocab-parallel logprobs_entropy (temperature TEMPERATURE) on those logits
+      metrics:        Actor.train_micro_step on fixed_micro_batch + actor/grad_norm (global_grad_norm)
+      grads:          FULL policy gradients in HF layout
+      replicated_grad_max_diff: max |grad_rank0 - grad_rank_r| over non-sharded parameters
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    from periodic_async.engine.actor import Actor
+    from periodic_async.engine.logprobs import logprobs_entropy
+    from periodic_async.models.convert import (_tp_shard_dim, export_hf_weights, gather_tp,
+                                               load_hf_checkpoint, mcore_to_hf_full)
+    from periodic_async.models.mcore import spec_from_hf_dir
+
+    spec = spec_from_hf_dir(model_dir)
+    actor = Actor(actor_config(), spec, model_dir, temperature=TEMPERATURE, with_reference=True)
+    if ref_dir is not None:
+        load_hf_checkpoint(actor.reference, spec, ref_dir)
+    out: dict = {"tp": ps.get_tensor_model_parallel_world_size()}
+    out["weights"] = {n: t.clone() for n, t in export_hf_weights(actor.policy, spec)}
+
+    ids = fixed_input_ids(spec.vocab_size)
+    pos, mask = megatron_inputs(ids)
+    labels = torch.roll(ids, -1, dims=1)
+    with torch.no_grad():
+        local = actor.policy(ids, pos, mask)                          # [B, S, V/TP]
+        out["logits"] = gather_vocab(local)
+        out["logits_mc"] = gather_from_tensor_model_parallel_region(local).clone()
+        logp, ent = logprobs_entropy(local, labels, TEMPERATURE, True)
+        out["logp"], out["entropy"] = logp.clone(), ent.clone()
+
+    metrics = actor.train_micro_step(fixed_micro_batch(), NORMALISER)
+    params = dict(actor.policy.named_parameters())
+    trainable = [p for p in params.values() if p.requires_grad]
+    missing = [n for n, p in params.items() if p.requires_grad and p.grad is None]
+    if missing:
+        raise RuntimeError(f"no gradient for {missing}")
+    metrics["actor/grad_norm"] = Actor.global_grad_norm(trainable)
+    out["metrics"] = metrics
+    out["grads"] = {n: t.clone() for n, t in mcore_to_hf_full(lambda n: gather_tp(n, params[n].grad), spec)}
+
+    # replicated parameters (norms) must get the same gradient on every TP rank
+    diff = 0.0
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp > 1:
+        for n, p in params.items():
+            if _tp_shard_dim(n) is None:
+                parts = [torch.empty_like(p.grad) for _ in range(tp)]
+                dist.all_gather(parts, p.grad.contiguous(), group=ps.get_tensor_model_parallel_group())
+                diff = max(diff, max(float((q - parts[0]).abs().max()) for q in parts))
+    out["replicated_grad_max_diff"] = diff
+    return out
