@@ -98,6 +98,9 @@ class ActorConfig:
     entropy_coef: float = 0.0
     micro_batch_size: int = 32   # sequences per forward/backward micro-step
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean
+    # Pack each group as one sequence [prompt | r1 | ... | rK] and compute the prompt once
+    # (exact; kernels/shared_prompt, docs/shared-prompt.md). The attention kernel follows the backend.
+    shared_prompt: bool = False
 
 
 @dataclass

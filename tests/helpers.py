@@ -17,7 +17,7 @@ import torch
 def make_hf_model_dir(path, arch: str = "qwen2", hidden: int = 128, heads: int = 4, kv_heads: int = 2,
                       layers: int = 2, ffn: int = 256, vocab: int = 24, tied: bool = True,
                       init_std: float = 0.2, seed: int = 0, rope_theta: float = 1.0e6,
-                      max_positions: int = 128) -> str:
+                      max_positions: int = 128, **extra_config) -> str:
     """Write a random-init Qwen2ForCausalLM / LlamaForCausalLM directory (safetensors) plus the char
     tokenizer to `path` and return it as a str.
 
@@ -26,6 +26,7 @@ def make_hf_model_dir(path, arch: str = "qwen2", hidden: int = 128, heads: int =
     q/k/v biases to 0, which would hide a swapped norm or a mis-split bias; both are therefore
     re-drawn (norms ~ N(1, 0.1), biases ~ N(0, init_std)). Deterministic in `seed`; the global RNG
     is left untouched. `vocab` may exceed the tokenizer's size (the extra rows are unused ids).
+    `extra_config` overrides / adds config fields (e.g. attention_bias=True for llama).
     """
     from periodic_async.models.tokenizer import build_char_tokenizer, mark_char_tokenizer
 
@@ -42,11 +43,11 @@ def make_hf_model_dir(path, arch: str = "qwen2", hidden: int = 128, heads: int =
                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
     if arch == "qwen2":
         from transformers import Qwen2Config as ConfigCls, Qwen2ForCausalLM as ModelCls
-        cfg = ConfigCls(**common, architectures=["Qwen2ForCausalLM"])
+        cfg = ConfigCls(**{**common, "architectures": ["Qwen2ForCausalLM"], **extra_config})
     elif arch == "llama":
         from transformers import LlamaConfig as ConfigCls, LlamaForCausalLM as ModelCls
-        cfg = ConfigCls(**common, head_dim=hidden // heads, attention_bias=False, mlp_bias=False,
-                        architectures=["LlamaForCausalLM"])
+        cfg = ConfigCls(**{**common, "head_dim": hidden // heads, "attention_bias": False, "mlp_bias": False,
+                           "architectures": ["LlamaForCausalLM"], **extra_config})
     else:
         raise ValueError(f"arch '{arch}': allowed qwen2, llama")
     with torch.random.fork_rng():

@@ -92,6 +92,26 @@ def test_mcore_logits_equal_hf_logits(name, model_dirs, megatron_tp1):
     assert err <= 1e-5 * scale, f"max |mcore - hf| = {err:.3g} (logit scale {scale:.3g})"
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "known bug: a llama checkpoint with attention_bias=true (o_proj.bias) or mlp_bias=true loads "
+    "silently with those biases dropped (Megatron is built with add_bias_linear=False and "
+    "load_hf_checkpoint never checks that every checkpoint tensor was used); it must be rejected "
+    "by spec_from_hf_dict / load_hf_checkpoint or supported. Remove this marker once fixed."))
+@pytest.mark.parametrize("extra", [dict(attention_bias=True), dict(mlp_bias=True)], ids=["attention_bias", "mlp_bias"])
+def test_llama_linear_biases_are_rejected_or_exact(extra, megatron_tp1, tmp_path):
+    path = make_hf_model_dir(tmp_path / "m", arch="llama", tied=False, layers=1, seed=3, **extra)
+    try:
+        spec, model = _mcore_model(path)
+    except (UnsupportedModel, KeyError, ValueError):
+        return                                            # rejected: fine
+    ids = fixed_input_ids(spec.vocab_size)
+    with torch.no_grad():
+        hf = load_hf_model(path)(ids).logits
+        mc = model.eval()(ids, *megatron_inputs(ids))
+    err, scale = float((mc - hf).abs().max()), float(hf.abs().max())
+    assert err <= 1e-5 * scale, f"{extra}: max |mcore - hf| = {err:.3g} (logit scale {scale:.3g})"
+
+
 # ---------------------------------------------------------------------- log-prob math
 
 

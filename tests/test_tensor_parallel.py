@@ -26,8 +26,14 @@ CASES = {
     "llama-untied": dict(arch="llama", tied=False, seed=1),
 }
 LOGIT_TOL = 1e-5        # relative to the largest |logit|
-GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6
 METRIC_RTOL, METRIC_ATOL = 1e-5, 1e-7
+# Gradients: rtol 1e-4 plus an atol relative to each tensor's largest entry. A fixed atol of 1e-6
+# is below fp32 rounding here: with init_std 0.2 the embedding gradient reaches |g| ~ 2.5 and
+# individual entries come from cancelling O(1) terms, so the TP=2 all-reduce order moves them by up
+# to ~4e-6 * max|g| - while TP=1 and TP=2 are each ~1e-5 away from a float64 computation (TP=2 is
+# not less exact than TP=1). Real layout / reduction bugs give O(1) relative errors; a dropped
+# entropy (coef 0.01) or KL (coef 0.1) gradient gives ~1e-2.
+GRAD_RTOL, GRAD_ATOL_REL = 1e-4, 2e-5
 
 
 def _tail(text: str, n: int = 6000) -> str:
@@ -128,10 +134,11 @@ def _assert_grads_close(got: dict, want: dict, what: str) -> None:
         g = got[n]
         assert g.shape == w.shape, (what, n, g.shape, w.shape)
         assert float(w.abs().max()) > 0, f"{what}: {n} has an all-zero gradient"
-        if not torch.allclose(g, w, rtol=GRAD_RTOL, atol=GRAD_ATOL):
+        scale = float(w.abs().max())
+        if not torch.allclose(g, w, rtol=GRAD_RTOL, atol=GRAD_ATOL_REL * scale):
             err = (g - w).abs()
-            bad.append(f"{n}: max|diff|={float(err.max()):.3g} max|grad|={float(w.abs().max()):.3g} "
-                       f"worst rel={float((err / (w.abs() + GRAD_ATOL)).max()):.3g}")
+            bad.append(f"{n}: max|diff|={float(err.max()):.3g} max|grad|={scale:.3g} "
+                       f"max|diff|/max|grad|={float(err.max()) / scale:.3g}")
     assert not bad, f"{what}: gradients differ:\n" + "\n".join(bad)
 
 
@@ -158,7 +165,7 @@ def test_tp2_equals_tp1_and_transformers(case, dirs, tp1, tp2):
 
     # vocab-parallel log-probs / entropy on those logits
     for key in ("logp", "entropy"):
-        torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=2e-5, msg=lambda m: f"{key}: {m}")
 
     # loss terms and the global grad norm
     _assert_metrics_close(two["metrics"], one["metrics"], "TP=2 vs TP=1")

@@ -40,5 +40,10 @@ def flex_shared_prompt(q, k, v, layout: SharedPromptLayout, scale: float | None 
     """q [B, Hq, S, D], k/v [B, Hkv, S, D] -> [B, Hq, S, D]."""
     from torch.nn.attention.flex_attention import flex_attention
     bm = block_mask(layout, q.device)
-    fn = flex_attention if q.device.type == "cpu" else _compiled_flex()
-    return fn(q, k, v, block_mask=bm, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    gqa = q.shape[1] != k.shape[1]
+    if q.device.type == "cpu":       # eager, forward only (tests); silence the "not compiled" warning
+        import warnings
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+            return flex_attention(q, k, v, block_mask=bm, scale=scale, enable_gqa=gqa)
+    return _compiled_flex()(q, k, v, block_mask=bm, scale=scale, enable_gqa=gqa)

@@ -48,3 +48,46 @@ def npu_shared_prompt(q, k, v, layout: SharedPromptLayout, scale: float | None =
         where.append(args.q_index)
     full = qf.new_zeros(b * s, h, d).index_copy(0, torch.cat(where), torch.cat(outs))
     return full.view(b, s, h, d).transpose(1, 2)
+
+
+def reference_npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, padding_mask=None,
+                                   atten_mask=None, scale=1.0, keep_prob=1.0, pre_tockens=2147483647,
+                                   next_tockens=2147483647, inner_precise=0, prefix=None,
+                                   actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
+                                   gen_mask_parallel=True, sync=False):
+    """A plain-torch model of the documented npu_fusion_attention semantics for the case used
+    above (TND, sparse_mode=3, compressed causal mask, no dropout), checking the documented
+    argument constraints. Tests install it as a fake `torch_npu` so the whole NPU path except the
+    kernel runs on CPU. Returns the 7-tuple with only the output filled in. Differentiable."""
+    if input_layout != "TND" or sparse_mode != 3:
+        raise NotImplementedError(f"reference covers TND + sparse_mode 3 only, got {input_layout}, {sparse_mode}")
+    if pse is not None or padding_mask is not None or prefix is not None or keep_prob != 1.0:
+        raise ValueError("pse / padding_mask / prefix / dropout are not used by shared-prompt attention")
+    tq, n, d = query.shape
+    tkv, nkv, _ = key.shape
+    if n != head_num or n % nkv or value.shape != key.shape or key.shape[2] != d:
+        raise ValueError(f"bad TND shapes q {tuple(query.shape)} k {tuple(key.shape)} head_num {head_num}")
+    if (atten_mask is None or atten_mask.dtype != torch.bool or tuple(atten_mask.shape) != (2048, 2048)
+            or not torch.equal(atten_mask.cpu(), torch.ones(2048, 2048, dtype=torch.bool).triu(1))):
+        raise ValueError("sparse_mode 3 needs the compressed 2048 x 2048 upper-triangular bool mask")
+    cq, ckv = list(actual_seq_qlen), list(actual_seq_kvlen)
+    if not (1 <= len(cq) == len(ckv) <= 1024) or not all(isinstance(x, int) for x in cq + ckv):
+        raise ValueError("actual_seq_qlen / actual_seq_kvlen: int lists of equal length 1..1024")
+    if cq[-1] != tq or ckv[-1] != tkv or any(b < a for a, b in zip([0] + cq, cq)) or any(
+            b < a for a, b in zip([0] + ckv, ckv)):
+        raise ValueError("actual_seq_qlen / actual_seq_kvlen must be CUMULATIVE and end at T")
+    outs = []
+    for q0, q1, k0, k1 in zip([0] + cq[:-1], cq, [0] + ckv[:-1], ckv):
+        sq, skv = q1 - q0, k1 - k0
+        if sq == 0:
+            continue
+        if skv < sq:
+            raise ValueError("a segment with Skv < Sq would have fully masked rows")
+        qs = query[q0:q1].transpose(0, 1)                                    # [N, sq, D]
+        ks = key[k0:k1].transpose(0, 1).repeat_interleave(n // nkv, 0)       # [N, skv, D]
+        vs = value[k0:k1].transpose(0, 1).repeat_interleave(n // nkv, 0)
+        scores = (qs @ ks.transpose(1, 2)) * scale
+        allowed = torch.arange(skv)[None, :] <= (skv - sq) + torch.arange(sq)[:, None]   # rightDownCausal
+        scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+        outs.append((scores.softmax(-1) @ vs).transpose(0, 1))
+    return torch.cat(outs), None, None, None, 0, 0, 0

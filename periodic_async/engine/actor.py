@@ -5,6 +5,10 @@ share of the batch loss terms; gradients accumulate until `optimizer_step()` all
 data-parallel ranks, clips by the global norm (sharded parameters counted once per shard,
 replicated ones once) and steps Adam. `export_weights()` streams HF-layout tensors for the rollout
 engine. The tri-model engine (policy / old / reference in one micro-step, PP > 1) extends this.
+
+With `actor.shared_prompt: true` the models are built with shared-prompt core attention
+(kernels/shared_prompt, the backend's attention_impl) and take `pack_shared` micro-batches as well
+as unshared ones; log-probs then come per response, [N, L] (docs/shared-prompt.md).
 """
 from __future__ import annotations
 
@@ -24,13 +28,21 @@ from .logprobs import logprobs_entropy
 
 class Actor:
     def __init__(self, cfg: ActorConfig, spec: ModelSpec, model_dir: str, dtype: str = "float32",
-                 device: torch.device | str = "cpu", temperature: float = 1.0, with_reference: bool = True):
+                 device: torch.device | str = "cpu", temperature: float = 1.0, with_reference: bool = True,
+                 attention_impl: str | None = None):
+        """attention_impl: shared-prompt kernel name; default: the active backend's attention_impl."""
         self.cfg, self.spec, self.device, self.temperature = cfg, spec, torch.device(device), temperature
-        self.policy = build_gpt_model(spec, dtype).to(self.device)
+        model_kwargs = {}
+        if getattr(cfg, "shared_prompt", False):
+            if attention_impl is None:
+                from ..backend import active_backend
+                attention_impl = active_backend().attention_impl
+            model_kwargs = {"core_attention": "shared_prompt", "attention_impl": attention_impl}
+        self.policy = build_gpt_model(spec, dtype, **model_kwargs).to(self.device)
         load_hf_checkpoint(self.policy, spec, model_dir)
         self.reference = None
         if with_reference:
-            self.reference = build_gpt_model(spec, dtype).to(self.device)
+            self.reference = build_gpt_model(spec, dtype, **model_kwargs).to(self.device)
             load_hf_checkpoint(self.reference, spec, model_dir)
             self.reference.eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
@@ -39,11 +51,16 @@ class Actor:
     # ------------------------------------------------------------------ forward
     def _logprobs(self, model, mb: MicroBatch, with_entropy: bool):
         logits = model(mb.input_ids, mb.position_ids, mb.attention_mask)    # [B, S, V/TP]
+        if mb.logit_index is not None:
+            # shared prompt: the rows predicting each response token, [N, L, V/TP]; the last prompt
+            # row is gathered once per response (its gradient sums the K contributions)
+            logits = logits.reshape(-1, logits.shape[-1])[mb.logit_index]
         return logprobs_entropy(logits, mb.labels, self.temperature, with_entropy)
 
     @torch.no_grad()
     def compute_logprobs(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
-        """{'policy': [B, S], 'ref': [B, S] (when a reference exists)} without gradients."""
+        """{'policy': [B, S], 'ref': [B, S] (when a reference exists)} without gradients; shaped
+        like mb.labels ([N, L] per response for a shared-prompt micro-batch)."""
         out = {"policy": self._logprobs(self.policy, mb, False)[0]}
         if self.reference is not None:
             out["ref"] = self._logprobs(self.reference, mb, False)[0]

@@ -1,14 +1,21 @@
 """Pack scored responses into padded micro-batches for the training forward.
 
-Unshared layout: each response is its own sequence [prompt | response | pad] (right padding).
-Shared-prompt packing (one prompt, K responses) arrives with its own kernel issue and will be a
-second packer beside this one.
+Unshared layout (`pack_unshared`): each response is its own sequence [prompt | response | pad]
+(right padding); per-token tensors are [B, S] and position t predicts labels[:, t].
+Shared-prompt layout (`pack_shared`, actor.shared_prompt: true): each group is one packed sequence
+[prompt | r1 | ... | rK] (kernels/shared_prompt, docs/shared-prompt.md); the attention mask is a
+`SharedPromptLayout`, and the per-token tensors are per RESPONSE, [N, L]: `logit_index[n, i]` is the
+flat position (row * S + col) whose logits predict labels[n, i] = the i-th token of response n.
+The Actor consumes both through the same API; `pack_micro_batch` packs either for the trainer.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
+
+from kernels.shared_prompt.layout import SharedPromptLayout, pack_groups
 
 
 @dataclass
@@ -24,18 +31,27 @@ class TrainSample:
 class MicroBatch:
     input_ids: torch.Tensor       # [B, S] long
     position_ids: torch.Tensor    # [B, S] long
-    attention_mask: torch.Tensor  # [1, 1, S, S] bool, True = masked out (Megatron's convention)
-    labels: torch.Tensor          # [B, S] long: labels[:, t] = input_ids[:, t + 1] (pad at the end)
-    loss_mask: torch.Tensor       # [B, S] float: 1 where labels[:, t] is a response token
-    advantages: torch.Tensor      # [B, S] float: the sequence's advantage on every position
+    # unshared: [1, 1, S, S] bool, True = masked out (Megatron's convention);
+    # shared: the SharedPromptLayout (travels to the core attention as Megatron's attention_mask)
+    attention_mask: Union[torch.Tensor, SharedPromptLayout]
+    labels: torch.Tensor          # unshared [B, S]: labels[:, t] = input_ids[:, t + 1]; shared [N, L]
+    loss_mask: torch.Tensor       # same shape as labels, float: 1 where labels is a response token
+    advantages: torch.Tensor      # same shape as labels: the sequence's advantage everywhere
+    # shared only: [N, L] long, flat index into the B*S logits rows predicting labels[n, i]
+    logit_index: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    @property
+    def shared_prompt(self) -> bool:
+        return self.logit_index is not None
+
     def to(self, device) -> "MicroBatch":
         return MicroBatch(*(t.to(device) for t in (self.input_ids, self.position_ids, self.attention_mask,
-                                                     self.labels, self.loss_mask, self.advantages)))
+                                                     self.labels, self.loss_mask, self.advantages)),
+                          logit_index=None if self.logit_index is None else self.logit_index.to(device))
 
 
 def causal_mask(seq_len: int) -> torch.Tensor:
@@ -64,3 +80,74 @@ def pack_unshared(samples: list[TrainSample], pad_token_id: int) -> MicroBatch:
 
 def split_micro_batches(samples: list[TrainSample], micro_batch_size: int) -> list[list[TrainSample]]:
     return [samples[i:i + micro_batch_size] for i in range(0, len(samples), micro_batch_size)]
+
+
+# ---------------------------------------------------------------------- shared-prompt packing
+
+
+def group_by_prompt(samples: list[TrainSample]) -> list[list[TrainSample]]:
+    """Consecutive samples with identical prompt_ids form one group (the trainer emits a group's
+    samples together). Merging two groups that happen to have the same prompt is still exact."""
+    groups: list[list[TrainSample]] = []
+    for s in samples:
+        if groups and groups[-1][0].prompt_ids == s.prompt_ids:
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    return groups
+
+
+def pack_shared(groups: list[list[TrainSample]], pad_token_id: int, row_len: Optional[int] = None) -> MicroBatch:
+    """Each group (samples sharing one prompt) becomes [prompt | r1 | ... | rK]; several groups may
+    share a row (first-fit, `row_len` defaults to the longest group). labels / loss_mask /
+    advantages / logit_index are [N, L]: one row per sample, in the order of the input samples."""
+    spec = []
+    for gi, g in enumerate(groups):
+        if not g:
+            raise ValueError(f"pack_shared: group {gi} is empty")
+        prompt = g[0].prompt_ids
+        if any(s.prompt_ids != prompt for s in g):
+            raise ValueError(f"pack_shared: the samples of group {gi} do not share one prompt")
+        spec.append((prompt, [s.response_ids for s in g]))
+    packed = pack_groups(spec, pad_token_id, row_len)
+    adv = torch.tensor([s.advantage for g in groups for s in g], dtype=torch.float32)
+    advantages = adv[:, None].expand_as(packed.loss_mask).contiguous()
+    return MicroBatch(packed.input_ids, packed.position_ids, packed.layout, packed.labels,
+                      packed.loss_mask, advantages, logit_index=packed.logit_index)
+
+
+def split_shared_micro_batches(groups: list[list[TrainSample]], micro_batch_size: int) -> list[list[list[TrainSample]]]:
+    """Chunks of at most `micro_batch_size` samples (responses), filled greedily in order; a group
+    that straddles a chunk boundary is split into sub-groups (each repeats its prompt: still exact).
+    Gives the same number of micro-steps as the unshared split of the same samples."""
+    chunks: list[list[list[TrainSample]]] = [[]]
+    room = micro_batch_size
+    for g in groups:
+        while g:
+            if room == 0:
+                chunks.append([])
+                room = micro_batch_size
+            part, g = g[:room], g[room:]
+            chunks[-1].append(part)
+            room -= len(part)
+    return [c for c in chunks if c]
+
+
+def pack_micro_batch(samples: list[TrainSample], pad_token_id: int, shared_prompt: bool = False) -> MicroBatch:
+    """One micro-batch of consecutive samples: pack_unshared, or pack_shared over their groups
+    (group_by_prompt; a group cut by the micro-batch boundary is a smaller group, still exact)."""
+    if shared_prompt:
+        return pack_shared(group_by_prompt(samples), pad_token_id)
+    return pack_unshared(samples, pad_token_id)
+
+
+def micro_batches(samples: list[TrainSample], pad_token_id: int, micro_batch_size: int,
+                  shared_prompt: bool = False, dp_rank: int = 0, dp_size: int = 1) -> list[MicroBatch]:
+    """This data-parallel rank's micro-batches of a step's samples.
+    Unshared: samples[dp_rank::dp_size] in chunks of micro_batch_size, pack_unshared.
+    Shared: groups (group_by_prompt) [dp_rank::dp_size], chunks of <= micro_batch_size responses,
+    pack_shared. Either goes to Actor.train_micro_step / compute_logprobs unchanged."""
+    if not shared_prompt:
+        return [pack_unshared(c, pad_token_id) for c in split_micro_batches(samples[dp_rank::dp_size], micro_batch_size)]
+    mine = group_by_prompt(samples)[dp_rank::dp_size]
+    return [pack_shared(c, pad_token_id) for c in split_shared_micro_batches(mine, micro_batch_size)]

@@ -153,6 +153,7 @@ class WorkerPool:
         self._requests: dict[int, RolloutRequest] = {}        # group -> its request (for re-dispatch)
         self._workers: list[_Handle | None] = [None] * len(placements)
         self._closed = False
+        self._stash: list = []                                # results received while awaiting acks
         try:
             for wid in range(len(placements)):
                 self._spawn(wid)
@@ -200,7 +201,7 @@ class WorkerPool:
             elif msg[0] == "ready" and kind == "updated" and msg[1] in waiting and msg[-1] == version:
                 waiting.discard(msg[1])     # restarted mid-update: it loaded the new weights at start
             elif msg[0] == "result":
-                self.dropped_results += 1   # a late duplicate from before a restart
+                self._stash.append(msg)     # a result that arrived while waiting: results() takes it
 
     def _handle_side_message(self, msg) -> None:
         if msg[0] == "error":
@@ -243,11 +244,14 @@ class WorkerPool:
 
     def results(self) -> Iterator[RolloutResult]:
         """Results of everything dispatched, as they arrive, each exactly once."""
+        next_check = time.monotonic() + 0.2
         while self._owner:
-            try:
-                msg = self._outbox.get(timeout=0.2)
-            except queue.Empty:
+            if time.monotonic() >= next_check:   # also while other workers keep the queue busy
                 self._check_health()
+                next_check = time.monotonic() + 0.2
+            try:
+                msg = self._stash.pop(0) if self._stash else self._outbox.get(timeout=0.2)
+            except queue.Empty:
                 continue
             self._handle_side_message(msg)
             if msg[0] != "result":
@@ -261,6 +265,8 @@ class WorkerPool:
             self._workers[wid].last_progress = time.monotonic()
             yield r
         self._requests.clear()
+        self.dropped_results += len(self._stash)   # late duplicates of samples already delivered
+        self._stash.clear()
 
     def _check_health(self) -> None:
         now = time.monotonic()
