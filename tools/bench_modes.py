@@ -1,0 +1,129 @@
+"""Benchmark the training modes side by side: colocated sync, same-split sync, periodic.
+
+    python tools/bench_modes.py [--config configs/default.yaml] [--steps 14] [--warmup 4]
+                                [--repeats 3] [--png docs/timeline_modes.png] [key=value ...]
+
+Each run is a fresh `python -m periodic_async` process; the modes alternate within each repeat so
+that machine noise hits them alike. For each mode it prints tokens/s (whole job, steps after the
+warm-up), the stage times, and the ratios, next to the theoretical bound of overlapping
+generation with training, (T_gen + T_train) / max(T_gen, T_train), from the same-split sync
+run's stage times. It also draws a timeline PNG (one row per worker slot and one for the trainer:
+generate / train micro-step / weight update) for sync_split and periodic.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+MODES = ["sync", "sync_split", "periodic"]
+MAX_SLOT_LANES = 16
+
+
+def run_once(config: str, mode: str, steps: int, run_dir: str, overrides: list[str]) -> list[dict]:
+    cmd = [sys.executable, "-m", "periodic_async", "--config", config, f"trainer.mode={mode}",
+           f"trainer.total_steps={steps}", f"trainer.run_dir={run_dir}", "trainer.progress_bar=false",
+           "trainer.save_final=false", "trainer.record_timeline=true", "trainer.tensorboard=false", *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"run failed ({mode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def summarise(records: list[dict], warmup: int) -> dict:
+    rs = records[warmup:]
+    step_s = sum(r["timing_s/step"] for r in rs)
+    mean = lambda k: statistics.fmean(r[k] for r in rs)
+    return {"tokens_per_s": sum(r["perf/total_num_tokens"] for r in rs) / step_s,
+            "step_s": mean("timing_s/step"), "gen_s": mean("timing_s/gen"), "train_s": mean("timing_s/update_actor"),
+            "sync_s": mean("timing_s/update_weights"), "trainer_idle": mean("trainer/idle_ratio"),
+            "rollouter_idle": mean("rollouter/idle_ratio"), "overlap": mean("perf/overlap_ratio")}
+
+
+def draw_timeline(run_dirs: dict[str, str], steps: tuple[int, int], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    colors = {"generate": "#4C72B0", "train": "#DD8452", "update_weights": "#55A868"}
+    fig, axes = plt.subplots(len(run_dirs), 1, figsize=(12, 3.2 * len(run_dirs)), squeeze=False)
+    for ax, (mode, run_dir) in zip(axes[:, 0], run_dirs.items()):
+        with open(os.path.join(run_dir, "timeline.jsonl")) as f:
+            events = [e for e in map(json.loads, f) if steps[0] <= e["step"] <= steps[1]]
+        t0 = min(e["start"] for e in events)
+
+        def lane_key(lane):
+            if lane == "trainer":
+                return (1, 0, 0)
+            w, s = lane.split("/")
+            return (0, int(w[6:]), int(s[4:]))
+        # at most MAX_SLOT_LANES slot rows per worker stay readable; the trainer row is on top
+        lanes = sorted({e["lane"] for e in events if e["lane"] == "trainer" or lane_key(e["lane"])[2] < MAX_SLOT_LANES},
+                       key=lane_key)
+        for i, lane in enumerate(lanes):
+            for kind, color in colors.items():
+                bars = [(e["start"] - t0, max(e["end"] - e["start"], 1e-4)) for e in events
+                        if e["lane"] == lane and e["kind"] == kind]
+                if bars:
+                    ax.broken_barh(bars, (i - 0.4, 0.8), facecolors=color, label=kind)
+        ax.set_yticks(range(len(lanes)))
+        ax.set_yticklabels(lanes, fontsize=6)
+        ax.set_xlabel("seconds")
+        ax.set_title(f"{mode}: steps {steps[0]}-{steps[1]} (first {MAX_SLOT_LANES} slots of each worker shown)")
+        handles, labels = ax.get_legend_handles_labels()
+        uniq = dict(zip(labels, handles))
+        ax.legend(uniq.values(), uniq.keys(), loc="upper right", fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/default.yaml")
+    p.add_argument("--steps", type=int, default=14)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--png", default="docs/timeline_modes.png")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args()
+    if args.warmup >= args.steps:
+        sys.exit("--warmup must be smaller than --steps")
+    tmp = tempfile.mkdtemp(prefix="bench_modes_")
+    results: dict[str, list[dict]] = {m: [] for m in MODES}
+    for r in range(args.repeats):
+        for mode in MODES:
+            run_dir = os.path.join(tmp, f"{mode}_{r}")
+            s = summarise(run_once(args.config, mode, args.steps, run_dir, args.overrides), args.warmup)
+            results[mode].append(s)
+            print(f"[repeat {r + 1}/{args.repeats}] {mode:10s} {s['tokens_per_s']:9.0f} tokens/s  "
+                  f"step {s['step_s']:.3f} s  gen {s['gen_s']:.3f} s  train {s['train_s']:.3f} s", flush=True)
+
+    med = {m: {k: statistics.median(x[k] for x in results[m]) for k in results[m][0]} for m in MODES}
+    split = med["sync_split"]
+    bound = (split["gen_s"] + split["train_s"]) / max(split["gen_s"], split["train_s"])
+    ratio_split = med["periodic"]["tokens_per_s"] / split["tokens_per_s"]
+    ratio_coloc = med["periodic"]["tokens_per_s"] / med["sync"]["tokens_per_s"]
+    print(f"\nmedians over {args.repeats} repeats, steps {args.warmup + 1}-{args.steps} of each run "
+          f"(config {args.config} {' '.join(args.overrides)})")
+    print(f"| mode | tokens/s | step s | T_gen s | T_train s | weight sync s | trainer idle | rollouter idle | overlap |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for m in MODES:
+        x = med[m]
+        print(f"| {m} | {x['tokens_per_s']:.0f} | {x['step_s']:.3f} | {x['gen_s']:.3f} | {x['train_s']:.3f} | "
+              f"{x['sync_s']:.4f} | {x['trainer_idle']:.2f} | {x['rollouter_idle']:.2f} | {x['overlap']:.2f} |")
+    print(f"\nperiodic / sync_split = {ratio_split:.3f}   theoretical bound (T_gen + T_train) / max = {bound:.3f}   "
+          f"-> {ratio_split / bound:.1%} of the bound (target >= 85%)")
+    print(f"periodic / colocated sync = {ratio_coloc:.3f}")
+    last = args.repeats - 1
+    draw_timeline({m: os.path.join(tmp, f"{m}_{last}") for m in ("sync_split", "periodic")},
+                  (args.steps - 2, args.steps - 1), args.png)
+    print(f"timeline: {args.png}   runs: {tmp}")
+
+
+if __name__ == "__main__":
+    main()
