@@ -8,6 +8,7 @@ Both sides run helpers.tp_parity_quantities. The reference model is a scaled cop
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,24 @@ def _tail(text: str, n: int = 6000) -> str:
     return text if len(text) <= n else "..." + text[-n:]
 
 
+def _run_torchrun(cmd: list[str], timeout: float = 300.0) -> subprocess.CompletedProcess:
+    """Run the launcher in its own session (so a timeout also kills the workers it spawned); fail
+    with the tail of its stdout/stderr when it times out or exits non-zero."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun worker timed out after {timeout:.0f} s: {' '.join(cmd)}\n"
+                    f"--- stdout ---\n{_tail(out)}\n--- stderr ---\n{_tail(err)}")
+    assert proc.returncode == 0, (f"torchrun worker failed (rc={proc.returncode}): {' '.join(cmd)}\n"
+                                  f"--- stdout ---\n{_tail(out)}\n--- stderr ---\n{_tail(err)}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
@@ -59,16 +78,7 @@ def tp2(dirs, tmp_path_factory):
            str(WORKER), "--tp", str(TP), "--out", str(out_dir)]
     for name, (model, ref) in dirs.items():
         cmd += ["--case", name, model, ref]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err = (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-        pytest.fail(f"torchrun TP={TP} worker timed out after 300 s\n--- stdout ---\n{_tail(out)}\n"
-                    f"--- stderr ---\n{_tail(err)}")
-    assert proc.returncode == 0, (f"torchrun TP={TP} worker failed (rc={proc.returncode}): {' '.join(cmd)}\n"
-                                  f"--- stdout ---\n{_tail(proc.stdout)}\n--- stderr ---\n{_tail(proc.stderr)}")
+    proc = _run_torchrun(cmd)
     results = {}
     for name in dirs:
         path = out_dir / f"{name}.pt"
