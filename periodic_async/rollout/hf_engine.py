@@ -89,14 +89,17 @@ class HFRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ generation
     def generate(self, requests: list[RolloutRequest]) -> Iterator[RolloutResult]:
-        return self.serve(lambda: None, initial=requests)
+        for finished in self.serve(lambda: None, initial=requests):
+            yield from finished
 
     @torch.no_grad()
     def serve(self, poll: Callable[[], list[RolloutRequest] | None], initial: list[RolloutRequest] = (),
-              on_slots: Callable[[int], None] | None = None) -> Iterator[RolloutResult]:
-        """Continuously batched generation. `poll()` is called between decode steps and returns
-        newly arrived requests (or None/[]); the iterator ends when nothing is pending, nothing is
-        active, and `poll()` returns None. `on_slots(n_active)` reports occupancy (for idle metrics)."""
+              on_slots: Callable[[int], None] | None = None) -> Iterator[list[RolloutResult]]:
+        """Continuously batched generation, yielding the results finished at each decode step (a
+        list, so a worker sends one message per step, not per sequence). `poll()` is called between
+        decode steps and returns newly arrived requests (or None/[]); the iterator ends when nothing
+        is pending, nothing is active, and `poll()` returns None. `on_slots(n_active)` reports
+        occupancy (for idle metrics)."""
         pending: deque[_Seq] = deque()
 
         def admit(reqs):
@@ -156,7 +159,8 @@ class HFRolloutEngine(RolloutEngine):
             t_end = time.perf_counter()
             for seq in finished:
                 slots[seq.slot] = None
-                yield self._result(seq, t_end)
+            if finished:
+                yield [self._result(seq, t_end) for seq in finished]
             if all(s.done for s in rows):
                 past = None
                 continue

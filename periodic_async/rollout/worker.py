@@ -121,11 +121,16 @@ def _worker_main(wid: int, spec: WorkerSpec, placement: dict, inbox, outbox, buf
     def on_slots(n: int) -> None:
         state["active"] = n
 
-    for result in engine.serve(poll, on_slots=on_slots):
-        if spec.arrival_jitter_s > 0:
-            time.sleep(rng.uniform(0, spec.arrival_jitter_s))
-        result.timings["worker"] = wid
-        outbox.put(("result", wid, result))
+    for finished in engine.serve(poll, on_slots=on_slots):
+        for result in finished:
+            result.timings["worker"] = wid
+        if spec.arrival_jitter_s > 0:   # testing aid: send one at a time, in a shuffled order
+            rng.shuffle(finished)
+            for result in finished:
+                time.sleep(rng.uniform(0, spec.arrival_jitter_s))
+                outbox.put(("results", wid, [result]))
+        else:
+            outbox.put(("results", wid, finished))
 
 
 @dataclass
@@ -200,8 +205,8 @@ class WorkerPool:
                 waiting.discard(msg[1])
             elif msg[0] == "ready" and kind == "updated" and msg[1] in waiting and msg[-1] == version:
                 waiting.discard(msg[1])     # restarted mid-update: it loaded the new weights at start
-            elif msg[0] == "result":
-                self._stash.append(msg)     # a result that arrived while waiting: results() takes it
+            elif msg[0] == "results":
+                self._stash.append(msg)     # results that arrived while waiting: results() takes them
 
     def _handle_side_message(self, msg) -> None:
         if msg[0] == "error":
@@ -254,18 +259,19 @@ class WorkerPool:
             except queue.Empty:
                 continue
             self._handle_side_message(msg)
-            if msg[0] != "result":
+            if msg[0] != "results":
                 continue
-            wid, r = msg[1], msg[2]
-            key = (r.group_index, r.sample_index)
-            if self._owner.get(key) is None or r.policy_version != self.version:
-                self.dropped_results += 1
-                continue
-            del self._owner[key]
-            self._workers[wid].last_progress = time.monotonic()
-            yield r
+            wid = msg[1]
+            for r in msg[2]:
+                key = (r.group_index, r.sample_index)
+                if self._owner.get(key) is None or r.policy_version != self.version:
+                    self.dropped_results += 1     # a late duplicate, or from before a weight sync
+                    continue
+                del self._owner[key]
+                self._workers[wid].last_progress = time.monotonic()
+                yield r
         self._requests.clear()
-        self.dropped_results += len(self._stash)   # late duplicates of samples already delivered
+        self.dropped_results += sum(len(m[2]) for m in self._stash)   # duplicates of delivered samples
         self._stash.clear()
 
     def _check_health(self) -> None:
