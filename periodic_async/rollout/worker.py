@@ -213,6 +213,9 @@ class WorkerPool:
             raise WorkerError(msg[2])
         if msg[0] == "ready":
             self._workers[msg[1]].pid = msg[2]
+        elif msg[0] not in ("results", "updated"):
+            # e.g. a worker running other code than the trainer (files changed under a running job)
+            raise WorkerError(f"unexpected message {msg[0]!r} from rollout worker {msg[1]}")
 
     def _restart(self, wid: int, why: str) -> None:
         h = self._workers[wid]
