@@ -29,7 +29,7 @@ import torch.distributed as dist
 from .backend import get_backend
 from .config import Config, config_to_dict
 from .engine.actor import Actor
-from .engine.batch import TrainSample, pack_unshared
+from .engine.batch import TrainSample, pack_micro_batch
 from .metrics import MetricsLogger
 from .models.mcore import spec_from_hf_dir
 from .pipeline.generator import ColocatedSource, Scorer, SourceStats, WorkerSource, make_plan
@@ -153,7 +153,8 @@ class Trainer:
         def micro_step(samples):
             nonlocal train_s
             t0 = time.perf_counter()
-            for k, v in self.actor.train_micro_step(pack_unshared(samples, self.pad_id), 1.0).items():
+            mb = pack_micro_batch(samples, self.pad_id, cfg.actor.shared_prompt)
+            for k, v in self.actor.train_micro_step(mb, 1.0).items():
                 sums[k] = sums.get(k, 0.0) + v
             t1 = time.perf_counter()
             train_s += t1 - t0

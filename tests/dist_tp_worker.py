@@ -11,15 +11,33 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import time
 
-import torch
+
+def _exit_when_orphaned(poll_s: float = 1.0) -> None:
+    """torchrun starts workers in their own sessions: if the launcher is killed (e.g. by the test's
+    timeout), a worker would otherwise wait ~10 min for the dead agent's store. Exit instead."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(3)
+    threading.Thread(target=watch, daemon=True, name="orphan-watchdog").start()
+
+
+_exit_when_orphaned()   # before the slow imports
+
+import torch  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from helpers import tp_parity_quantities  # noqa: E402
 
 
+@record   # torchrun's failure summary then carries the worker's traceback
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=2)

@@ -92,24 +92,25 @@ def test_mcore_logits_equal_hf_logits(name, model_dirs, megatron_tp1):
     assert err <= 1e-5 * scale, f"max |mcore - hf| = {err:.3g} (logit scale {scale:.3g})"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "known bug: a llama checkpoint with attention_bias=true (o_proj.bias) or mlp_bias=true loads "
-    "silently with those biases dropped (Megatron is built with add_bias_linear=False and "
-    "load_hf_checkpoint never checks that every checkpoint tensor was used); it must be rejected "
-    "by spec_from_hf_dict / load_hf_checkpoint or supported. Remove this marker once fixed."))
 @pytest.mark.parametrize("extra", [dict(attention_bias=True), dict(mlp_bias=True)], ids=["attention_bias", "mlp_bias"])
-def test_llama_linear_biases_are_rejected_or_exact(extra, megatron_tp1, tmp_path):
+def test_llama_linear_biases_are_rejected(extra, megatron_tp1, tmp_path):
+    """Megatron is built without linear biases: such a checkpoint must be refused, not loaded with
+    its biases silently dropped."""
     path = make_hf_model_dir(tmp_path / "m", arch="llama", tied=False, layers=1, seed=3, **extra)
-    try:
-        spec, model = _mcore_model(path)
-    except (UnsupportedModel, KeyError, ValueError):
-        return                                            # rejected: fine
-    ids = fixed_input_ids(spec.vocab_size)
-    with torch.no_grad():
-        hf = load_hf_model(path)(ids).logits
-        mc = model.eval()(ids, *megatron_inputs(ids))
-    err, scale = float((mc - hf).abs().max()), float(hf.abs().max())
-    assert err <= 1e-5 * scale, f"{extra}: max |mcore - hf| = {err:.3g} (logit scale {scale:.3g})"
+    with pytest.raises(UnsupportedModel, match=f"{next(iter(extra))}=true .*is not supported; allowed: false"):
+        _mcore_model(path)
+
+
+def test_unused_checkpoint_tensor_is_an_error(megatron_tp1, tmp_path):
+    """A checkpoint tensor with no place in the Megatron model stops the load (never dropped)."""
+    from safetensors.torch import load_file, save_file
+    path = make_hf_model_dir(tmp_path / "m", arch="qwen2", layers=1, seed=3)
+    f = os.path.join(path, "model.safetensors")
+    tensors = load_file(f)
+    tensors["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(tensors["model.norm.weight"].shape)
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(KeyError, match="checkpoint tensors with no place in the Megatron model: .*o_proj.bias"):
+        _mcore_model(path)
 
 
 # ---------------------------------------------------------------------- log-prob math

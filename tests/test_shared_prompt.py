@@ -179,7 +179,7 @@ def _per_response_reference(q, k, v, packed, groups):
     return out.view(b, s, h, d).transpose(1, 2)
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "sdpa_dense", "npu_fusion", "flex"])
+@pytest.mark.parametrize("impl", ["sdpa", "sdpa_dense", "sdpa_segmented", "npu_fusion", "flex"])
 def test_kernels_equal_per_response_attention(impl, fake_torch_npu):
     torch.manual_seed(0)
     spec = [(4, [2, 7, 1, 5]), (1, [3, 1]), (6, [1]), (2, [4, 4, 4])]
@@ -257,7 +257,7 @@ def test_shared_equals_unshared(case, dirs, megatron_tp1):
     _compare(dirs, CASES[case], "sdpa")
 
 
-@pytest.mark.parametrize("impl", ["sdpa_dense", "npu_fusion"])
+@pytest.mark.parametrize("impl", ["sdpa_dense", "sdpa_segmented", "npu_fusion"])
 def test_shared_equals_unshared_other_kernels(impl, dirs, megatron_tp1, fake_torch_npu):
     _compare(dirs, CASES["k8_mixed_several_groups"], impl, seed=3)
 
@@ -293,6 +293,8 @@ def test_shared_model_runs_plain_micro_batches(dirs, megatron_tp1):
     mb = pack_unshared(samples, PAD)
     a, b = _actor(dirs, False), _actor(dirs, True)
     torch.testing.assert_close(b.compute_logprobs(mb)["policy"], a.compute_logprobs(mb)["policy"], **LOGP_TOL)
+    with pytest.raises(ValueError, match="needs actor.shared_prompt"):
+        a.compute_logprobs(pack_micro_batch(samples, PAD, shared_prompt=True))
 
 
 def test_pack_shared_rejects_mixed_prompts():

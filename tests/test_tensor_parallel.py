@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -37,25 +38,37 @@ METRIC_RTOL, METRIC_ATOL = 1e-5, 1e-7
 GRAD_RTOL, GRAD_ATOL_REL = 1e-4, 2e-5
 
 
-def _tail(text: str, n: int = 6000) -> str:
+def _tail(text: str, n: int = 8000) -> str:
     return text if len(text) <= n else "..." + text[-n:]
 
 
 def _run_torchrun(cmd: list[str], timeout: float = 300.0) -> subprocess.CompletedProcess:
-    """Run the launcher in its own session (so a timeout also kills the workers it spawned); fail
-    with the tail of its stdout/stderr when it times out or exits non-zero."""
+    """Run the launcher; fail with the tail of its stdout/stderr when it times out or exits non-zero.
+
+    Output goes to files, not pipes: torchrun starts each worker in its own session, so a worker that
+    outlives the launcher would keep a pipe open and block the read. On timeout the launcher gets
+    SIGTERM first (it forwards it to the workers and reaps them), SIGKILL only if it is still alive
+    after 40 s; the workers also exit by themselves once their launcher is gone (see the worker)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"torchrun worker timed out after {timeout:.0f} s: {' '.join(cmd)}\n"
-                    f"--- stdout ---\n{_tail(out)}\n--- stderr ---\n{_tail(err)}")
-    assert proc.returncode == 0, (f"torchrun worker failed (rc={proc.returncode}): {' '.join(cmd)}\n"
-                                  f"--- stdout ---\n{_tail(out)}\n--- stderr ---\n{_tail(err)}")
+    with tempfile.TemporaryFile("w+") as fout, tempfile.TemporaryFile("w+") as ferr:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fout, stderr=ferr, text=True)
+        try:
+            proc.wait(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        fout.seek(0)
+        ferr.seek(0)
+        out, err = fout.read(), ferr.read()
+    what = f"timed out after {timeout:.0f} s" if timed_out else f"failed (rc={proc.returncode})"
+    assert not timed_out and proc.returncode == 0, (
+        f"torchrun worker {what}: {' '.join(cmd)}\n--- stdout ---\n{_tail(out)}\n--- stderr ---\n{_tail(err)}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

@@ -2,7 +2,7 @@
 
     python tools/bench_shared_prompt.py [--backend cpu|cuda|npu] [--models large,tiny]
         [--ks 2,4,8,16] [--ratios 1:4,1:1,4:1,16:1] [--resp-len 16] [--write-docs docs/performance.md]
-        [--e2e --e2e-steps 20]
+        [--e2e --e2e-steps 20 --e2e-rounds 2]
 
 For every model size, group size K and prompt:response length ratio, one GRPO group (one prompt,
 K responses of equal length) goes through the Actor's training micro-step (policy forward +
@@ -149,39 +149,43 @@ def format_row(r) -> str:
             f"{r['act_u']:.1f} -> {r['act_s']:.1f} |")
 
 
-def run_e2e(steps: int, log) -> list[dict]:
-    """The trainer with the default config, actor.shared_prompt false then true."""
+def run_e2e(steps: int, rounds: int, log) -> list[dict]:
+    """The trainer with the default config, actor.shared_prompt false / true, alternating for
+    `rounds` rounds; per setting the mean over rounds of the second half of each run."""
     import periodic_async.trainer as trainer_mod
     from periodic_async.config import load_config
     from periodic_async.engine import batch as batch_mod
     from periodic_async.trainer import Trainer
 
-    src = open(trainer_mod.__file__).read()
-    patched = "shared_prompt" not in src
-    out = []
-    for shared in (False, True):
-        run_dir = tempfile.mkdtemp(prefix=f"bench_sp_e2e_{int(shared)}_")
-        cfg = load_config("configs/default.yaml" if os.path.exists("configs/default.yaml") else None, [
-            f"trainer.total_steps={steps}", f"trainer.run_dir={run_dir}", "trainer.progress_bar=false",
-            "trainer.save_final=false", f"actor.shared_prompt={str(shared).lower()}"])
-        orig = trainer_mod.pack_unshared if patched else None
-        if patched and shared:
-            # The trainer does not pack shared micro-batches yet: stand in for the one-line change
-            # pack_unshared(samples, pad) -> pack_micro_batch(samples, pad, cfg.actor.shared_prompt).
-            trainer_mod.pack_unshared = lambda samples, pad: batch_mod.pack_micro_batch(samples, pad, True)
-        try:
-            hist = Trainer(cfg).fit()
-        finally:
-            if orig is not None:
+    patched = "shared_prompt" not in open(trainer_mod.__file__).read()
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    for rnd in range(rounds):
+        for shared in (False, True):
+            run_dir = tempfile.mkdtemp(prefix=f"bench_sp_e2e_{int(shared)}_")
+            cfg = load_config("configs/default.yaml" if os.path.exists("configs/default.yaml") else None, [
+                f"trainer.total_steps={steps}", f"trainer.run_dir={run_dir}", "trainer.progress_bar=false",
+                "trainer.save_final=false", f"actor.shared_prompt={str(shared).lower()}"])
+            orig = trainer_mod.pack_unshared
+            if patched and shared:
+                # The trainer does not pack shared micro-batches yet: stand in for the one-line change
+                # pack_unshared(samples, pad) -> pack_micro_batch(samples, pad, cfg.actor.shared_prompt).
+                trainer_mod.pack_unshared = lambda samples, pad: batch_mod.pack_micro_batch(samples, pad, True)
+            try:
+                hist = Trainer(cfg).fit()
+            finally:
                 trainer_mod.pack_unshared = orig
-        tail = hist[len(hist) // 2:]                          # steady state: second half of the run
-        res = dict(shared=shared, steps=len(hist), patched=patched and shared,
-                   step_s=statistics.mean(h["timing_s/step"] for h in tail),
-                   update_s=statistics.mean(h["timing_s/update_actor"] for h in tail),
-                   throughput=statistics.mean(h["perf/throughput"] for h in tail),
-                   score_first=hist[0]["critic/score/mean"], score_last=hist[-1]["critic/score/mean"])
-        out.append(res)
-        log(f"e2e shared_prompt={shared}: {res}")
+            tail = hist[len(hist) // 2:]                      # steady state: second half of the run
+            res = dict(step_s=statistics.mean(h["timing_s/step"] for h in tail),
+                       update_s=statistics.mean(h["timing_s/update_actor"] for h in tail),
+                       throughput=statistics.mean(h["perf/throughput"] for h in tail),
+                       score_first=hist[0]["critic/score/mean"], score_last=hist[-1]["critic/score/mean"],
+                       kl_last=hist[-1]["actor/kl_loss"])
+            runs[shared].append(res)
+            log(f"e2e round {rnd} shared_prompt={shared}: {res}")
+    out = []
+    for shared, rs in runs.items():
+        out.append(dict(shared=shared, steps=steps, rounds=len(rs), patched=patched and shared,
+                        **{k: statistics.mean(r[k] for r in rs) for k in rs[0]}))
     return out
 
 
@@ -194,16 +198,22 @@ def write_docs(path: str, command: str, rows, e2e, env: str) -> None:
              "shared-prompt row, timed alternately in the same run (median). `ideal ratio` = "
              "(P + K R) / (K (P + R)), `of ideal` = measured speedup / ideal speedup, `attn-FLOP ratio` = causal "
              "attention score pairs shared / unshared, `act MiB` = activation memory saved for backward.", "",
+             "Models (Qwen2 layout, random init): " + "; ".join(
+                 f"{n}: hidden {h}, {l} layers, {a} heads / {kv} KV heads, ffn {f}, vocab {v}"
+                 for n, (h, l, a, kv, f, v) in MODELS.items()) + ". CPU kernel: `sdpa` (dense or segmented "
+             "SDPA, chosen per micro-batch).", "",
              HEADER, SEP] + [format_row(r) for r in rows]
     if e2e:
-        lines += ["", "End-to-end GRPO step throughput (`python -m periodic_async trainer.total_steps="
-                  f"{e2e[0]['steps']} actor.shared_prompt=false|true`, default config, mean of the second half "
-                  "of the run):", "",
-                  "| actor.shared_prompt | step s | update_actor s | tokens/s/device | score first -> last |",
-                  "|---|---|---|---|---|"]
+        lines += ["", "End-to-end GRPO step throughput (the trainer as `python -m periodic_async trainer.total_steps="
+                  f"{e2e[0]['steps']} actor.shared_prompt=false|true`, default config; {e2e[0]['rounds']} alternating "
+                  "runs per setting, mean over the second half of each run):", "",
+                  "| actor.shared_prompt | step s | update_actor s | perf/throughput (tokens/s/device) | "
+                  "score first -> last | final KL |",
+                  "|---|---|---|---|---|---|"]
         for r in e2e:
-            lines.append(f"| {str(r['shared']).lower()}{' (*)' if r['patched'] else ''} | {r['step_s']:.2f} | "
-                         f"{r['update_s']:.2f} | {r['throughput']:.0f} | {r['score_first']:.3f} -> {r['score_last']:.3f} |")
+            lines.append(f"| {str(r['shared']).lower()}{' (*)' if r['patched'] else ''} | {r['step_s']:.3f} | "
+                         f"{r['update_s']:.3f} | {r['throughput']:.0f} | {r['score_first']:.3f} -> "
+                         f"{r['score_last']:.3f} | {r['kl_last']:.4f} |")
         if any(r["patched"] for r in e2e):
             lines += ["", "(*) measured with the trainer's micro-batch packer swapped for "
                       "`pack_micro_batch(samples, pad, shared_prompt=True)` by the benchmark (the trainer "
@@ -231,6 +241,7 @@ def main(argv=None) -> int:
     ap.add_argument("--write-docs", default=None, help="replace the results section of this markdown file")
     ap.add_argument("--e2e", action="store_true", help="also run the trainer with shared_prompt off / on")
     ap.add_argument("--e2e-steps", type=int, default=20)
+    ap.add_argument("--e2e-rounds", type=int, default=2, help="alternating off/on runs per setting")
     args = ap.parse_args(argv)
 
     import warnings
@@ -243,6 +254,7 @@ def main(argv=None) -> int:
     ks = [int(x) for x in args.ks.split(",")]
     ratios = args.ratios.split(",")
     log = lambda s: print(s, flush=True)
+    load0, threads = os.getloadavg()[0], torch.get_num_threads()   # the e2e trainer re-pins threads
     log(HEADER)
     log(SEP)
     t0 = time.time()
@@ -250,10 +262,13 @@ def main(argv=None) -> int:
     for name in args.models.split(","):
         rows += bench_model(name, backend, ks, ratios, args.resp_len, args.min_time, args.repeats, log)
     log(f"# kernel benchmark: {time.time() - t0:.0f} s")
-    e2e = run_e2e(args.e2e_steps, log) if args.e2e else []
+    e2e = run_e2e(args.e2e_steps, args.e2e_rounds, log) if args.e2e else []
     if args.write_docs:
-        env = (f"backend {args.backend}, torch {torch.__version__}, {torch.get_num_threads()} threads"
-               + (f", {os.cpu_count()} CPU cores" if args.backend == "cpu" else ""))
+        env = (f"backend {args.backend}, torch {torch.__version__}, {threads} torch threads for the kernel table"
+               + (f", {os.cpu_count()} CPU cores" if args.backend == "cpu" else "")
+               + f"; 1-min load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end "
+               "(the machine was shared with other jobs: single timings are noisy, alternation and medians "
+               "keep the shared/unshared comparison fair)")
         cmd = "python tools/bench_shared_prompt.py " + " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
         write_docs(args.write_docs, cmd.strip(), rows, e2e, env)
     return 0

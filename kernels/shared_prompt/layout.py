@@ -176,6 +176,13 @@ class SharedPromptLayout:
         self._cache[key] = idx
         return idx
 
+    def segmented_pairs(self) -> int:
+        """Query-key pairs the segmented SDPA computes (with its per-batch padding)."""
+        ps, rs = self.prompt_segments, self.response_segments
+        p_max = int(ps[:, 2].max()) if len(ps) else 0
+        r_max = int(rs[:, 4].max()) if len(rs) else 0
+        return len(ps) * p_max ** 2 + len(rs) * r_max * (p_max + r_max)
+
     # ------------------------------------------------------------------ NPU TND (varlen)
     def npu_tnd_args(self, device=None, max_segments: int = NPU_MAX_SEGMENTS) -> list[NpuTndArgs]:
         """The arguments of npu_fusion_attention calls in TND layout (one call per at most
@@ -271,42 +278,46 @@ def pack_groups(groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
         raise ValueError(f"pack_groups: a group of {max(lengths)} tokens does not fit row_len={width}")
     placement = _place_rows(lengths, width)
     b = max(r for r, _ in placement) + 1
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    pos = torch.zeros((b, width), dtype=torch.long)
-    gid = torch.full((b, width), -1, dtype=torch.long)
-    rid = torch.zeros((b, width), dtype=torch.long)
-    n_resp = sum(len(r) for _, r in groups)
+    # built as Python lists, converted once (this runs on the host for every micro-batch)
+    ids = [[pad_id] * width for _ in range(b)]
+    pos = [[0] * width for _ in range(b)]
+    gid = [[-1] * width for _ in range(b)]
+    rid = [[0] * width for _ in range(b)]
     l_max = max(1, max(len(r) for _, rs in groups for r in rs))
-    logit_index = torch.zeros((n_resp, l_max), dtype=torch.long)
-    labels = torch.full((n_resp, l_max), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros((n_resp, l_max), dtype=torch.float32)
+    logit_index, labels, loss_mask = [], [], []
     prompt_segs, resp_segs, response_of = [], [], []
-    n = 0
     for gi, ((prompt, responses), (row, off)) in enumerate(zip(groups, placement)):
         p = len(prompt)
-        ids[row, off:off + p] = torch.as_tensor(list(prompt), dtype=torch.long)
-        pos[row, off:off + p] = torch.arange(p)
-        gid[row, off:off + p] = gi
+        ids[row][off:off + p] = list(prompt)
+        pos[row][off:off + p] = range(p)
+        gid[row][off:off + p] = [gi] * p
         prompt_segs.append((row, off, p))
         last_prompt = row * width + off + p - 1
         col = off + p
         for k, resp in enumerate(responses, start=1):
             rl = len(resp)
             response_of.append((gi, k - 1))
+            pad = l_max - rl
+            labels.append(list(resp) + [pad_id] * pad)
+            loss_mask.append([1.0] * rl + [0.0] * pad)
             if rl:
-                ids[row, col:col + rl] = torch.as_tensor(list(resp), dtype=torch.long)
-                pos[row, col:col + rl] = p + torch.arange(rl)
-                gid[row, col:col + rl] = gi
-                rid[row, col:col + rl] = k
+                ids[row][col:col + rl] = list(resp)
+                pos[row][col:col + rl] = range(p, p + rl)
+                gid[row][col:col + rl] = [gi] * rl
+                rid[row][col:col + rl] = [k] * rl
                 resp_segs.append((row, off, p, col, rl))
-                labels[n, :rl] = ids[row, col:col + rl]
-                logit_index[n, 0] = last_prompt
-                logit_index[n, 1:rl] = row * width + col + torch.arange(rl - 1)
-                loss_mask[n, :rl] = 1.0
+                first = row * width + col
+                logit_index.append([last_prompt] + list(range(first, first + rl - 1)) + [0] * pad)
+            else:
+                logit_index.append([0] * l_max)
             col += rl
-            n += 1
-    layout = SharedPromptLayout(gid, rid, torch.tensor(prompt_segs, dtype=torch.long).view(-1, 3),
-                                torch.tensor(resp_segs, dtype=torch.long).view(-1, 5))
+    long = dict(dtype=torch.long)
+    layout = SharedPromptLayout(torch.tensor(gid, **long), torch.tensor(rid, **long),
+                                torch.tensor(prompt_segs, **long).view(-1, 3),
+                                torch.tensor(resp_segs, **long).view(-1, 5))
+    ids, pos = torch.tensor(ids, **long), torch.tensor(pos, **long)
+    logit_index, labels = torch.tensor(logit_index, **long), torch.tensor(labels, **long)
+    loss_mask = torch.tensor(loss_mask, dtype=torch.float32)
     return PackedGroups(ids, pos, layout, logit_index, labels, loss_mask, response_of)
 
 

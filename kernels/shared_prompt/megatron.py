@@ -21,7 +21,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.utils import divide
 
 from . import shared_prompt_attention
 from .layout import SharedPromptLayout
@@ -46,7 +45,7 @@ class SharedPromptCoreAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
         self.attention_impl = attention_impl
-        head_dim = divide(config.kv_channels * config.num_attention_heads, config.num_attention_heads)
+        head_dim = config.kv_channels
         # DotProductAttention divides the scale by layer_number under apply_query_key_layer_scaling
         # and multiplies it back in the softmax: the net scale is the same.
         self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim ** -0.5

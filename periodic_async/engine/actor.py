@@ -33,7 +33,8 @@ class Actor:
         """attention_impl: shared-prompt kernel name; default: the active backend's attention_impl."""
         self.cfg, self.spec, self.device, self.temperature = cfg, spec, torch.device(device), temperature
         model_kwargs = {}
-        if getattr(cfg, "shared_prompt", False):
+        self.shared_prompt = bool(getattr(cfg, "shared_prompt", False))
+        if self.shared_prompt:
             if attention_impl is None:
                 from ..backend import active_backend
                 attention_impl = active_backend().attention_impl
@@ -50,6 +51,8 @@ class Actor:
 
     # ------------------------------------------------------------------ forward
     def _logprobs(self, model, mb: MicroBatch, with_entropy: bool):
+        if mb.logit_index is not None and not self.shared_prompt:
+            raise ValueError("a shared-prompt micro-batch (pack_shared) needs actor.shared_prompt: true")
         logits = model(mb.input_ids, mb.position_ids, mb.attention_mask)    # [B, S, V/TP]
         if mb.logit_index is not None:
             # shared prompt: the rows predicting each response token, [N, L, V/TP]; the last prompt

@@ -148,8 +148,13 @@ class SafetensorsReader:
             self._handles["model.safetensors"] = h
             weight_map = {k: "model.safetensors" for k in h.keys()}
         self._weight_map = weight_map
+        self.used: set[str] = set()
+
+    def names(self) -> set[str]:
+        return set(self._weight_map)
 
     def __call__(self, name: str) -> torch.Tensor:
+        self.used.add(name)
         fn = self._weight_map.get(name)
         if fn is None:
             raise KeyError(f"{self._path}: checkpoint has no tensor '{name}'")
@@ -168,6 +173,12 @@ def load_hf_checkpoint(model: torch.nn.Module, spec: ModelSpec, path: str) -> No
     missing = sorted(set(params) - set(shards))
     if missing:
         raise KeyError(f"conversion produced no tensor for Megatron parameters {missing[:5]}")
+    # Every checkpoint tensor must land somewhere: a silently dropped one (a bias the Megatron
+    # layout has no place for) would give a wrong model without any error.
+    unused = sorted(n for n in reader.names() - reader.used
+                    if not n.endswith("rotary_emb.inv_freq") and not (spec.tie_word_embeddings and n == "lm_head.weight"))
+    if unused:
+        raise KeyError(f"{path}: checkpoint tensors with no place in the Megatron model: {unused[:5]}")
     with torch.no_grad():
         for name, t in shards.items():
             p = params[name]

@@ -57,6 +57,12 @@ def spec_from_hf_dict(c: dict, source: str = "config.json") -> ModelSpec:
         raise UnsupportedModel(f"{source}: rope scaling '{rope_type}' is not supported yet; allowed: default")
     if c.get("use_sliding_window"):
         raise UnsupportedModel(f"{source}: use_sliding_window=true is not supported")
+    # Megatron is built with add_bias_linear=False: a bias on o_proj or the MLP cannot be loaded.
+    if model_type == "llama" and c.get("attention_bias"):
+        raise UnsupportedModel(f"{source}: attention_bias=true (bias on q/k/v and o_proj) is not supported; "
+                               "allowed: false")
+    if c.get("mlp_bias"):
+        raise UnsupportedModel(f"{source}: mlp_bias=true is not supported; allowed: false")
     heads = c["num_attention_heads"]
     eos = c.get("eos_token_id")
     return ModelSpec(
@@ -67,7 +73,7 @@ def spec_from_hf_dict(c: dict, source: str = "config.json") -> ModelSpec:
         rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
         rms_norm_eps=c.get("rms_norm_eps", 1e-6), tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         max_position_embeddings=c.get("max_position_embeddings", 4096),
-        qkv_bias=(model_type == "qwen2") or bool(c.get("attention_bias", False)),
+        qkv_bias=model_type == "qwen2",
         eos_token_id=eos[0] if isinstance(eos, list) else eos)
 
 
