@@ -91,6 +91,7 @@ class ActorConfig:
     lr: float = 1.0e-3
     weight_decay: float = 0.0
     betas: tuple = (0.9, 0.999)
+    adam_eps: float = 1.0e-8
     grad_clip: float = 1.0
     clip_ratio: float = 0.2
     kl_coef: float = 0.0
@@ -171,6 +172,8 @@ class Config:
             raise ConfigError(f"rollout.temperature: must be >= 0, got {self.rollout.temperature}")
         if not 0 < self.rollout.top_p <= 1:
             raise ConfigError(f"rollout.top_p: must be in (0, 1], got {self.rollout.top_p}")
+        if self.actor.adam_eps <= 0:
+            raise ConfigError(f"actor.adam_eps: must be > 0, got {self.actor.adam_eps}")
         if self.actor.lr <= 0:
             raise ConfigError(f"actor.lr: must be > 0, got {self.actor.lr}")
         if len(self.actor.betas) != 2:

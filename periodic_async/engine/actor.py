@@ -46,7 +46,7 @@ class Actor:
             self.reference = build_gpt_model(spec, dtype, **model_kwargs).to(self.device)
             load_hf_checkpoint(self.reference, spec, model_dir)
             self.reference.eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps,
                                            weight_decay=cfg.weight_decay)
 
     # ------------------------------------------------------------------ forward
