@@ -55,7 +55,7 @@ pip_install() {
     exit 1
   fi
   local tv
-  tv="$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
+  tv="$("$VENV/bin/python" -W ignore -c 'import torch; print(torch.__version__)' 2>/dev/null)"
   if [[ "$tv" != *+cpu ]]; then
     echo "[run.sh] error: expected the CPU torch wheel in $VENV, found torch $tv" >&2
     exit 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import pickle
 import queue
 import random
 import signal
@@ -76,6 +77,8 @@ def _die_with_parent() -> None:
 
 def _worker_main(wid: int, spec: WorkerSpec, placement: dict, inbox, outbox, buf: torch.Tensor,
                  layout: Layout, version: int) -> None:
+    """`outbox` is this worker's own pipe to the pool: a worker killed mid-write can only break its
+    own channel (a queue shared by all workers would stay locked forever)."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the trainer handles Ctrl-C and stops us
     try:
@@ -87,9 +90,9 @@ def _worker_main(wid: int, spec: WorkerSpec, placement: dict, inbox, outbox, buf
         if version > 0:
             engine.update_weights(_views(buf, layout), version)
     except BaseException as e:  # noqa: BLE001 - reported to the pool, which raises it
-        outbox.put(("error", wid, f"worker {wid} failed to start: {type(e).__name__}: {e}"))
+        outbox.send(("error", wid, f"worker {wid} failed to start: {type(e).__name__}: {e}"))
         return
-    outbox.put(("ready", wid, os.getpid(), version))
+    outbox.send(("ready", wid, os.getpid(), version))
     rng = random.Random(wid * 7919 + version)
     state = {"active": 0, "update": None, "stop": False}
 
@@ -113,7 +116,7 @@ def _worker_main(wid: int, spec: WorkerSpec, placement: dict, inbox, outbox, buf
             v = state["update"]
             engine.update_weights(_views(buf, layout), v)
             state["update"] = None
-            outbox.put(("updated", wid, v))
+            outbox.send(("updated", wid, v))
         if state["stop"] and idle and not new:
             return None
         return new
@@ -128,15 +131,16 @@ def _worker_main(wid: int, spec: WorkerSpec, placement: dict, inbox, outbox, buf
             rng.shuffle(finished)
             for result in finished:
                 time.sleep(rng.uniform(0, spec.arrival_jitter_s))
-                outbox.put(("results", wid, [result]))
+                outbox.send(("results", wid, [result]))
         else:
-            outbox.put(("results", wid, finished))
+            outbox.send(("results", wid, finished))
 
 
 @dataclass
 class _Handle:
     process: mp.Process
     inbox: object
+    reader: object                 # the read end of this worker's result pipe (None once broken)
     pid: int = 0
     last_progress: float = 0.0
 
@@ -149,7 +153,6 @@ class WorkerPool:
         self.spec, self.placements, self.layout = spec, placements, layout
         self.worker_timeout_s, self.startup_timeout_s = worker_timeout_s, startup_timeout_s
         self._ctx = mp.get_context("spawn")
-        self._outbox = self._ctx.Queue()
         self._buf = torch.zeros(sum(math.prod(s) for _, s in layout), dtype=dtype).share_memory_()
         self.version = 0
         self.restarts = 0
@@ -177,28 +180,50 @@ class WorkerPool:
     # ------------------------------------------------------------------ processes
     def _spawn(self, wid: int) -> None:
         inbox = self._ctx.Queue()
+        reader, writer = self._ctx.Pipe(duplex=False)
         p = self._ctx.Process(target=_worker_main, name=f"rollout-worker-{wid}", daemon=True,
-                              args=(wid, self.spec, self.placements[wid], inbox, self._outbox, self._buf,
+                              args=(wid, self.spec, self.placements[wid], inbox, writer, self._buf,
                                     self.layout, self.version))
         p.start()
-        self._workers[wid] = _Handle(p, inbox, pid=p.pid, last_progress=time.monotonic())
+        writer.close()   # the worker holds the only write end: its death shows up as EOF here
+        self._workers[wid] = _Handle(p, inbox, reader, pid=p.pid, last_progress=time.monotonic())
+
+    def _recv(self, timeout: float):
+        """The next message from any worker, or None after `timeout` s. A broken pipe (a worker
+        killed mid-message) closes that channel and kills the worker; the health check restarts it."""
+        from multiprocessing.connection import wait
+        readers = {h.reader: wid for wid, h in enumerate(self._workers) if h is not None and h.reader is not None}
+        for conn in wait(list(readers), timeout):
+            wid = readers[conn]
+            try:
+                return conn.recv()
+            except (EOFError, OSError, pickle.UnpicklingError, AttributeError, ValueError):
+                h = self._workers[wid]
+                h.reader = None
+                conn.close()
+                if h.process.is_alive():
+                    h.process.kill()
+        return None
 
     def _await(self, kind: str, wids: set[int], timeout: float, version: int | None = None) -> None:
         """Wait for a `kind` message ("ready" / "updated") from each worker in `wids`, restarting
         any that dies meanwhile (a restarted worker starts at the current version: it counts)."""
         deadline = time.monotonic() + timeout
         waiting = set(wids)
+        next_check = time.monotonic() + 0.2
         while waiting:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise WorkerError(f"rollout workers {sorted(waiting)} did not report '{kind}' within {timeout:.0f} s")
-            try:
-                msg = self._outbox.get(timeout=0.2)
-            except queue.Empty:
+            if now >= next_check:   # also while other workers keep sending
+                next_check = now + 0.2
                 for wid in list(waiting):
                     if not self._workers[wid].process.is_alive():
                         self._restart(wid, f"died while the pool waited for '{kind}'")
                         self._await("ready", {wid}, self.startup_timeout_s)
                         waiting.discard(wid)
+            msg = self._recv(0.2)
+            if msg is None:
                 continue
             self._handle_side_message(msg)
             if msg[0] == kind and msg[1] in waiting and (version is None or msg[-1] == version):
@@ -223,6 +248,8 @@ class WorkerPool:
         if h.process.is_alive():
             h.process.kill()
         h.process.join(timeout=10)
+        if h.reader is not None:
+            h.reader.close()
         self.restarts += 1
         self._spawn(wid)
 
@@ -257,9 +284,8 @@ class WorkerPool:
             if time.monotonic() >= next_check:   # also while other workers keep the queue busy
                 self._check_health()
                 next_check = time.monotonic() + 0.2
-            try:
-                msg = self._stash.pop(0) if self._stash else self._outbox.get(timeout=0.2)
-            except queue.Empty:
+            msg = self._stash.pop(0) if self._stash else self._recv(0.2)
+            if msg is None:
                 continue
             self._handle_side_message(msg)
             if msg[0] != "results":
