@@ -24,8 +24,7 @@ from kernels.shared_prompt import attention_flop_ratio, ideal_token_ratio, pack_
 from kernels.shared_prompt.npu import reference_npu_fusion_attention
 from periodic_async.config import ActorConfig
 from periodic_async.engine.actor import Actor
-from periodic_async.engine.batch import (TrainSample, group_by_prompt, micro_batches, pack_micro_batch,
-                                         pack_shared, pack_unshared, split_shared_micro_batches)
+from periodic_async.engine.batch import TrainSample, group_by_prompt, pack_micro_batch, pack_shared, pack_unshared
 from periodic_async.models.convert import load_hf_checkpoint
 from periodic_async.models.mcore import spec_from_hf_dir
 
@@ -271,7 +270,6 @@ def test_micro_batch_boundary_cuts_a_group(dirs, megatron_tp1):
     smaller groups sharing the prompt; accumulated gradients still equal the unshared ones."""
     groups = make_groups([(5, [3, 1, 4, 2, 6]), (2, [2, 2, 5])], seed=7)
     samples = [s for g in groups for s in g]
-    assert [len(c) for c in split_shared_micro_batches(groups, 3)] == [1, 2, 1]   # groups per chunk
     unshared, shared = _actor(dirs, False), _actor(dirs, True)
     for chunk in (samples[:3], samples[3:6], samples[6:]):
         m_u = unshared.train_micro_step(pack_micro_batch(chunk, PAD, shared_prompt=False), NORMALISER)
@@ -280,10 +278,6 @@ def test_micro_batch_boundary_cuts_a_group(dirs, megatron_tp1):
         m_s = shared.train_micro_step(mb, NORMALISER)
         assert m_s["actor/loss"] == pytest.approx(m_u["actor/loss"], rel=1e-5, abs=1e-6)
     _assert_grads_close(_grads(shared), _grads(unshared), "cut groups")
-    # micro_batches: the same chunks for both layouts, DP split by group for the shared one
-    assert [mb.loss_mask.shape[0] for mb in micro_batches(samples, PAD, 3, True)] == [3, 3, 2]
-    assert [mb.loss_mask.shape[0] for mb in micro_batches(samples, PAD, 3, False)] == [3, 3, 2]
-    assert [mb.loss_mask.shape[0] for mb in micro_batches(samples, PAD, 8, True, dp_rank=1, dp_size=2)] == [3]
 
 
 def test_shared_model_runs_plain_micro_batches(dirs, megatron_tp1):

@@ -152,12 +152,9 @@ def format_row(r) -> str:
 def run_e2e(steps: int, rounds: int, log) -> list[dict]:
     """The trainer with the default config, actor.shared_prompt false / true, alternating for
     `rounds` rounds; per setting the mean over rounds of the second half of each run."""
-    import periodic_async.trainer as trainer_mod
     from periodic_async.config import load_config
-    from periodic_async.engine import batch as batch_mod
     from periodic_async.trainer import Trainer
 
-    patched = "shared_prompt" not in open(trainer_mod.__file__).read()
     runs: dict[bool, list[dict]] = {False: [], True: []}
     for rnd in range(rounds):
         for shared in (False, True):
@@ -165,15 +162,7 @@ def run_e2e(steps: int, rounds: int, log) -> list[dict]:
             cfg = load_config("configs/default.yaml" if os.path.exists("configs/default.yaml") else None, [
                 f"trainer.total_steps={steps}", f"trainer.run_dir={run_dir}", "trainer.progress_bar=false",
                 "trainer.save_final=false", f"actor.shared_prompt={str(shared).lower()}"])
-            orig = trainer_mod.pack_unshared
-            if patched and shared:
-                # The trainer does not pack shared micro-batches yet: stand in for the one-line change
-                # pack_unshared(samples, pad) -> pack_micro_batch(samples, pad, cfg.actor.shared_prompt).
-                trainer_mod.pack_unshared = lambda samples, pad: batch_mod.pack_micro_batch(samples, pad, True)
-            try:
-                hist = Trainer(cfg).fit()
-            finally:
-                trainer_mod.pack_unshared = orig
+            hist = Trainer(cfg).fit()
             tail = hist[len(hist) // 2:]                      # steady state: second half of the run
             res = dict(step_s=statistics.mean(h["timing_s/step"] for h in tail),
                        update_s=statistics.mean(h["timing_s/update_actor"] for h in tail),
@@ -184,7 +173,7 @@ def run_e2e(steps: int, rounds: int, log) -> list[dict]:
             log(f"e2e round {rnd} shared_prompt={shared}: {res}")
     out = []
     for shared, rs in runs.items():
-        out.append(dict(shared=shared, steps=steps, rounds=len(rs), patched=patched and shared,
+        out.append(dict(shared=shared, steps=steps, rounds=len(rs),
                         **{k: statistics.mean(r[k] for r in rs) for k in rs[0]}))
     return out
 
@@ -211,13 +200,9 @@ def write_docs(path: str, command: str, rows, e2e, env: str) -> None:
                   "score first -> last | final KL |",
                   "|---|---|---|---|---|---|"]
         for r in e2e:
-            lines.append(f"| {str(r['shared']).lower()}{' (*)' if r['patched'] else ''} | {r['step_s']:.3f} | "
+            lines.append(f"| {str(r['shared']).lower()} | {r['step_s']:.3f} | "
                          f"{r['update_s']:.3f} | {r['throughput']:.0f} | {r['score_first']:.3f} -> "
                          f"{r['score_last']:.3f} | {r['kl_last']:.4f} |")
-        if any(r["patched"] for r in e2e):
-            lines += ["", "(*) measured with the trainer's micro-batch packer swapped for "
-                      "`pack_micro_batch(samples, pad, shared_prompt=True)` by the benchmark (the trainer "
-                      "integration is a one-line change, see docs/shared-prompt.md)."]
     lines.append(end)
     block = "\n".join(lines) + "\n"
     text = open(path).read() if os.path.exists(path) else "# Performance\n\n"

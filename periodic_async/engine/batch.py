@@ -78,10 +78,6 @@ def pack_unshared(samples: list[TrainSample], pad_token_id: int) -> MicroBatch:
     return MicroBatch(ids, pos, causal_mask(width), labels, mask, adv)
 
 
-def split_micro_batches(samples: list[TrainSample], micro_batch_size: int) -> list[list[TrainSample]]:
-    return [samples[i:i + micro_batch_size] for i in range(0, len(samples), micro_batch_size)]
-
-
 # ---------------------------------------------------------------------- shared-prompt packing
 
 
@@ -116,22 +112,6 @@ def pack_shared(groups: list[list[TrainSample]], pad_token_id: int, row_len: Opt
                       packed.loss_mask, advantages, logit_index=packed.logit_index)
 
 
-def split_shared_micro_batches(groups: list[list[TrainSample]], micro_batch_size: int) -> list[list[list[TrainSample]]]:
-    """Chunks of at most `micro_batch_size` samples (responses), filled greedily in order; a group
-    that straddles a chunk boundary is split into sub-groups (each repeats its prompt: still exact).
-    Gives the same number of micro-steps as the unshared split of the same samples."""
-    chunks: list[list[list[TrainSample]]] = [[]]
-    room = micro_batch_size
-    for g in groups:
-        while g:
-            if room == 0:
-                chunks.append([])
-                room = micro_batch_size
-            part, g = g[:room], g[room:]
-            chunks[-1].append(part)
-            room -= len(part)
-    return [c for c in chunks if c]
-
 
 def pack_micro_batch(samples: list[TrainSample], pad_token_id: int, shared_prompt: bool = False) -> MicroBatch:
     """One micro-batch of consecutive samples: pack_unshared, or pack_shared over their groups
@@ -139,15 +119,3 @@ def pack_micro_batch(samples: list[TrainSample], pad_token_id: int, shared_promp
     if shared_prompt:
         return pack_shared(group_by_prompt(samples), pad_token_id)
     return pack_unshared(samples, pad_token_id)
-
-
-def micro_batches(samples: list[TrainSample], pad_token_id: int, micro_batch_size: int,
-                  shared_prompt: bool = False, dp_rank: int = 0, dp_size: int = 1) -> list[MicroBatch]:
-    """This data-parallel rank's micro-batches of a step's samples.
-    Unshared: samples[dp_rank::dp_size] in chunks of micro_batch_size, pack_unshared.
-    Shared: groups (group_by_prompt) [dp_rank::dp_size], chunks of <= micro_batch_size responses,
-    pack_shared. Either goes to Actor.train_micro_step / compute_logprobs unchanged."""
-    if not shared_prompt:
-        return [pack_unshared(c, pad_token_id) for c in split_micro_batches(samples[dp_rank::dp_size], micro_batch_size)]
-    mine = group_by_prompt(samples)[dp_rank::dp_size]
-    return [pack_shared(c, pad_token_id) for c in split_shared_micro_batches(mine, micro_batch_size)]

@@ -81,12 +81,6 @@ class HFRolloutEngine(RolloutEngine):
             raise KeyError(f"rollout weight sync: no tensor received for {sorted(missing)[:5]}")
         self.policy_version = version
 
-    def weight_names(self) -> list[tuple[str, tuple[int, ...]]]:
-        """(name, shape) of every tensor update_weights expects, in a fixed order."""
-        tied = getattr(self.model.config, "tie_word_embeddings", False)
-        return [(n, tuple(p.shape)) for n, p in self.model.named_parameters()
-                if not (tied and n == "lm_head.weight")]
-
     # ------------------------------------------------------------------ generation
     def generate(self, requests: list[RolloutRequest]) -> Iterator[RolloutResult]:
         for finished in self.serve(lambda: None, initial=requests):
