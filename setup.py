@@ -25,7 +25,7 @@ setup(
     install_requires=CORE,
     extras_require={
         "cpu": [],                                   # the default set above
-        "test": ["pytest==9.2.0", "datasets==5.2.0", "matplotlib==3.11.2"],
+        "test": ["pytest==9.2.0", "pytest-timeout==2.4.0", "datasets==5.2.0", "matplotlib==3.11.2"],
         "tools": ["matplotlib==3.11.2"],
         "tensorboard": ["tensorboard==2.21.0"],
         # GPUs: the cluster's CUDA torch replaces the CPU pin (install with --no-deps for torch).
