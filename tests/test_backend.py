@@ -34,3 +34,26 @@ def test_unknown_backend():
     with pytest.raises(BackendUnavailable, match="allowed: cpu, cuda, npu"):
         get_backend("tpu")
     get_backend("cpu")  # leave the cpu backend active for the other tests
+
+
+def test_cpu_placement_splits_cores_between_workers_and_trainer(monkeypatch):
+    b = get_backend("cpu")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
+    workers, trainer = b.rollout_placements(num_workers=2, trainer_procs=1)
+    assert [w["cores"] for w in workers] == [[4, 5], [2, 3]] and trainer["cores"] == [0, 1]
+    workers, trainer = b.rollout_placements(num_workers=0, trainer_procs=1)
+    assert workers == [] and trainer["cores"] == [0, 1, 2, 3, 4, 5]
+    # fewer cores than processes: shared round-robin, never an empty core list
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    workers, trainer = b.rollout_placements(num_workers=2, trainer_procs=1)
+    assert [w["cores"] for w in workers] == [[1], [0]] and trainer["cores"] == [0]
+
+
+def test_device_placement_needs_enough_devices(monkeypatch):
+    from periodic_async.backend import _BACKENDS
+    cuda = _BACKENDS["cuda"]          # the placement rule only; no CUDA needed
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    workers, _ = cuda.rollout_placements(num_workers=2, trainer_procs=2)
+    assert [w["device"] for w in workers] == ["cuda:2", "cuda:3"]
+    with pytest.raises(BackendUnavailable, match="2 trainer processes \\+ 3 rollout workers need 5 cuda devices"):
+        cuda.rollout_placements(num_workers=3, trainer_procs=2)
