@@ -26,6 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from .algo import grpo
 from .backend import get_backend
 from .config import Config, config_to_dict
 from .engine.actor import Actor
@@ -107,8 +108,8 @@ class Trainer:
         from .rollout.worker import WorkerPool, WorkerSpec
         spec = WorkerSpec(cfg.backend, self.model_dir, self.pad_id, self.eos_id, cfg.rollout.max_slots,
                           cfg.rollout.arrival_jitter_s)
-        from .models.mcore import _DTYPES
-        pool = WorkerPool(spec, placements, layout, _DTYPES[cfg.model.dtype], cfg.rollout.worker_timeout_s)
+        from .models.mcore import torch_dtype
+        pool = WorkerPool(spec, placements, layout, torch_dtype(cfg.model.dtype), cfg.rollout.worker_timeout_s)
         return WorkerSource(pool, scorer, cfg.rollout.queue_size, wait_for_batch=cfg.trainer.mode == "sync_split")
 
     def _tokenize_prompt(self, record) -> list[int]:
@@ -177,7 +178,8 @@ class Trainer:
                 raise RuntimeError("the rollout source produced more groups than the batch has prompts")
         t_train_end = time.perf_counter()
 
-        normaliser = self._normaliser(consumed)
+        normaliser = grpo.batch_normaliser([len(r.response_ids) for g in consumed for r in g.results],
+                                           cfg.actor.loss_agg_mode)
         if self.dp_size > 1:
             from megatron.core import parallel_state as ps
             keys = sorted(sums)
@@ -212,11 +214,6 @@ class Trainer:
             / sum(g.size for g in consumed))
         metrics["training/policy_version"] = self.version
         return metrics
-
-    def _normaliser(self, groups: list[Group]) -> float:
-        if self.cfg.actor.loss_agg_mode == "token-mean":
-            return float(sum(len(r.response_ids) for g in groups for r in g.results))
-        return float(sum(g.size for g in groups))
 
     def _num_devices(self) -> int:
         """Trainer ranks plus rollout workers: throughput is per device of the whole job."""

@@ -52,9 +52,9 @@ def test_on_policy_gradient_is_minus_advantage_times_score():
 def test_aggregate_modes():
     vals = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    assert grpo.batch_normaliser(mask, "token-mean") == 3.0
+    assert grpo.batch_normaliser(mask.sum(-1).tolist(), "token-mean") == 3.0
     assert grpo.aggregate(vals, mask, "token-mean", 3.0).item() == pytest.approx((1 + 2 + 4) / 3)
-    assert grpo.batch_normaliser(mask, "seq-mean-token-mean") == 2.0
+    assert grpo.batch_normaliser(mask.sum(-1).tolist(), "seq-mean-token-mean") == 2.0
     assert grpo.aggregate(vals, mask, "seq-mean-token-mean", 2.0).item() == pytest.approx((1.5 + 4) / 2)
 
 
@@ -64,7 +64,7 @@ def test_micro_batch_split_gives_the_same_loss_sum(mode):
     vals = torch.randn(6, 5)
     mask = (torch.rand(6, 5) > 0.3).float()
     mask[:, 0] = 1
-    norm = grpo.batch_normaliser(mask, mode)
+    norm = grpo.batch_normaliser(mask.sum(-1).tolist(), mode)
     whole = grpo.aggregate(vals, mask, mode, norm)
     parts = sum(grpo.aggregate(vals[i:j], mask[i:j], mode, norm) for i, j in [(0, 1), (1, 4), (4, 6)])
     assert parts.item() == pytest.approx(whole.item(), abs=1e-6)

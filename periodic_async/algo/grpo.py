@@ -65,8 +65,11 @@ def aggregate(token_values: torch.Tensor, mask: torch.Tensor, mode: str, normali
     raise ValueError(f"actor.loss_agg_mode: unknown '{mode}'; allowed: token-mean, seq-mean-token-mean")
 
 
-def batch_normaliser(mask: torch.Tensor, mode: str) -> float:
-    """The normaliser `aggregate` expects, for a mask covering the whole batch."""
+def batch_normaliser(response_lengths: Sequence[int], mode: str) -> float:
+    """The normaliser `aggregate` expects, from the response lengths of the WHOLE batch: its
+    response-token count (token-mean) or its number of non-empty responses (seq-mean-token-mean)."""
     if mode == "token-mean":
-        return float(mask.sum())
-    return float((mask.sum(-1) > 0).sum())
+        return float(sum(response_lengths))
+    if mode == "seq-mean-token-mean":
+        return float(sum(1 for n in response_lengths if n > 0))
+    raise ValueError(f"actor.loss_agg_mode: unknown '{mode}'; allowed: token-mean, seq-mean-token-mean")

@@ -17,6 +17,11 @@ import torch.nn.functional as F
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a `model.dtype` config value."""
+    return _DTYPES[name]
+
+
 class UnsupportedModel(ValueError):
     """The checkpoint's architecture or a config field is not supported; the message says which."""
 
@@ -80,7 +85,7 @@ def spec_from_hf_dict(c: dict, source: str = "config.json") -> ModelSpec:
 def transformer_config(spec: ModelSpec, dtype: str = "float32"):
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core import parallel_state
-    params_dtype = _DTYPES[dtype]
+    params_dtype = torch_dtype(dtype)
     return TransformerConfig(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads,
         num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
