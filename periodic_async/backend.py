@@ -169,7 +169,36 @@ def _apply_cpu_megatron_shims() -> None:
         return
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    # The pipeline schedules count tokens in `torch.zeros(..., device="cuda")`: give that module
+    # a torch whose factory functions map "cuda" to the CPU (nothing else changes).
+    from megatron.core.pipeline_parallel import schedules
+    schedules.torch = _CpuDeviceTorch()
     _CPU_SHIM_APPLIED = True
+
+
+class _CpuDeviceTorch:
+    """`torch` as seen by Megatron's schedules on the cpu backend: device="cuda" becomes "cpu"."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _cpu(kwargs):
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return kwargs
+
+    def zeros(self, *args, **kwargs):
+        return torch.zeros(*args, **self._cpu(kwargs))
+
+    def ones(self, *args, **kwargs):
+        return torch.ones(*args, **self._cpu(kwargs))
+
+    def empty(self, *args, **kwargs):
+        return torch.empty(*args, **self._cpu(kwargs))
+
+    def tensor(self, *args, **kwargs):
+        return torch.tensor(*args, **self._cpu(kwargs))
 
 
 def _setup_cuda() -> None:

@@ -102,6 +102,20 @@ class ActorConfig:
     # Pack each group as one sequence [prompt | r1 | ... | rK] and compute the prompt once
     # (exact; kernels/shared_prompt, docs/shared-prompt.md). The attention kernel follows the backend.
     shared_prompt: bool = False
+    # Optimizer steps per batch. Epoch 1 trains on groups as they arrive (old policy == policy:
+    # the old-policy forward is skipped); epochs 2.. replay the batch with the old policy's
+    # log-probs from the frozen old model (PPO ratio against the policy at the batch's start).
+    ppo_epochs: int = 1
+    # Skip the old-policy forward when old == policy (first optimizer step of a batch) and use the
+    # detached policy log-probs instead: same loss and gradients, one forward less.
+    old_logp_shortcut: bool = True
+    # Memory options for the frozen models (old policy, reference): their weights' dtype
+    # ("same" as the policy, or bfloat16) and whether they live in host memory between uses.
+    frozen_dtype: str = "same"
+    offload_frozen: bool = False
+    # Weight export to the rollout side: TP/PP shards are gathered in buckets of at most this many
+    # MB (one collective per bucket; peak extra memory about one bucket).
+    export_bucket_mb: float = 256.0
 
 
 @dataclass
@@ -141,7 +155,8 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def validate(self, world_size: Optional[int] = None, num_heads: Optional[int] = None,
-                 num_kv_heads: Optional[int] = None, vocab_size: Optional[int] = None) -> "Config":
+                 num_kv_heads: Optional[int] = None, vocab_size: Optional[int] = None,
+                 num_layers: Optional[int] = None) -> "Config":
         """Reject impossible combinations. Model dimensions default to the tiny model's; pass a
         real checkpoint's to check it too. world_size defaults to $WORLD_SIZE (1 if unset)."""
         _choice("backend", self.backend, ("cpu", "cuda", "npu"))
@@ -152,6 +167,10 @@ class Config:
         _choice("actor.loss_agg_mode", self.actor.loss_agg_mode, ("token-mean", "seq-mean-token-mean"))
         _choice("reward.name", self.reward.name, ("synthetic", "gsm8k", "custom"))
         _choice("trainer.mode", self.trainer.mode, ("periodic", "sync", "sync_split"))
+        _choice("actor.frozen_dtype", self.actor.frozen_dtype, ("same", "bfloat16"))
+        _positive("actor.ppo_epochs", self.actor.ppo_epochs)
+        if self.actor.export_bucket_mb <= 0:
+            raise ConfigError(f"actor.export_bucket_mb: must be > 0, got {self.actor.export_bucket_mb}")
         if self.trainer.mode != "sync" and self.rollout.num_workers < 1:
             raise ConfigError(f"rollout.num_workers: mode '{self.trainer.mode}' needs at least one rollout worker, "
                               f"got {self.rollout.num_workers}")
@@ -198,13 +217,18 @@ class Config:
         if vocab_size is not None and vocab_size % tp:
             raise ConfigError(f"parallel.tensor_model_parallel_size: {tp} does not divide the vocabulary "
                               f"size {vocab_size}")
-        if pp != 1:
-            raise ConfigError("parallel.pipeline_model_parallel_size: pipeline parallelism arrives with the "
-                              "tri-model engine; allowed now: 1")
+        layers = num_layers if num_layers is not None else self.model.tiny.num_layers
+        if layers % pp:
+            raise ConfigError(f"parallel.pipeline_model_parallel_size: {pp} does not divide the model's "
+                              f"{layers} layers; allowed: a divisor of {layers}")
         ws = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
         if ws % (tp * pp):
             raise ConfigError(f"parallel: world size {ws} is not divisible by tensor_model_parallel_size * "
                               f"pipeline_model_parallel_size = {tp * pp}")
+        dp = ws // (tp * pp)
+        if self.data.train_batch_size % dp:
+            raise ConfigError(f"data.train_batch_size: {self.data.train_batch_size} prompts cannot be split "
+                              f"evenly over {dp} data-parallel ranks; allowed: a multiple of {dp}")
         tiny = self.model.tiny
         if self.model.path is None:
             if tiny.num_heads % tiny.num_kv_heads:

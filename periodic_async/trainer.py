@@ -29,7 +29,7 @@ import torch.distributed as dist
 from .algo import grpo
 from .backend import get_backend
 from .config import Config, config_to_dict
-from .engine.actor import Actor
+from .engine.tri_model import TriModelEngine
 from .engine.batch import TrainSample, pack_micro_batch
 from .metrics import MetricsLogger
 from .models.mcore import spec_from_hf_dir
@@ -49,7 +49,8 @@ class Trainer:
         self.model_dir = self._prepare_model_dir()
         self.spec = spec_from_hf_dir(self.model_dir)
         cfg.validate(world_size=self.world, num_heads=self.spec.num_heads,
-                     num_kv_heads=self.spec.num_kv_heads, vocab_size=self.spec.vocab_size)
+                     num_kv_heads=self.spec.num_kv_heads, vocab_size=self.spec.vocab_size,
+                     num_layers=self.spec.num_layers)
         self.backend.init_model_parallel(cfg.parallel.tensor_model_parallel_size,
                                          cfg.parallel.pipeline_model_parallel_size, cfg.trainer.seed)
         from megatron.core import parallel_state as ps
@@ -70,7 +71,7 @@ class Trainer:
         self.sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k,
                                        cfg.rollout.max_new_tokens, (self.eos_id,) if self.eos_id is not None else ())
 
-        self.actor = Actor(cfg.actor, self.spec, self.model_dir, cfg.model.dtype, self.device,
+        self.actor = TriModelEngine(cfg.actor, self.spec, self.model_dir, cfg.model.dtype, self.device,
                            temperature=cfg.rollout.temperature or 1.0, with_reference=True)
         self.version = 0
         self.reward = self.source = None

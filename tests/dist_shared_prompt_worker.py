@@ -3,7 +3,7 @@
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist_shared_prompt_worker.py \
         --out OUT.json POLICY_DIR REF_DIR
 
-With tensor parallelism 2 it runs the unshared Actor and the shared-prompt Actor (sdpa kernel, each
+With tensor parallelism 2 it runs the unshared engine and the shared-prompt engine (sdpa kernel, each
 rank holding heads/2 and vocab/2) on the same groups and compares per-token log-probs, the GRPO loss
 terms and every local parameter-gradient shard. Rank 0 writes {"tp", "failures", "checked_params"}.
 """

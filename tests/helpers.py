@@ -131,14 +131,14 @@ def tp_parity_quantities(model_dir: str, ref_dir: str | None = None) -> dict:
     """Everything the TP-parity test compares, computed on the CURRENT process group and Megatron
     parallel state (call Backend.init_model_parallel(tp, 1, seed) first); every TP rank must call it.
 
-    Builds an Actor (policy + reference) from `model_dir`; when `ref_dir` is given the reference is
+    Builds an TriModelEngine (policy + reference) from `model_dir`; when `ref_dir` is given the reference is
     re-loaded from it so the KL term and its gradient are non-zero. Returns a dict of CPU tensors /
     floats, identical on every rank:
       weights:        HF-layout export of the policy (must equal the source checkpoint exactly)
       logits:         policy logits [B, S, V] on fixed_input_ids, gathered over TP
       logits_mc:      the same via megatron's gather_from_tensor_model_parallel_region
       logp, entropy:  vocab-parallel logprobs_entropy (temperature TEMPERATURE) on those logits
-      metrics:        Actor.train_micro_step on fixed_micro_batch + actor/grad_norm (global_grad_norm)
+      metrics:        TriModelEngine.train_micro_step on fixed_micro_batch + actor/grad_norm (global_grad_norm)
       grads:          FULL policy gradients in HF layout
       replicated_grad_max_diff: max |grad_rank0 - grad_rank_r| over non-sharded parameters
     """
@@ -146,14 +146,14 @@ def tp_parity_quantities(model_dir: str, ref_dir: str | None = None) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-    from periodic_async.engine.actor import Actor
+    from periodic_async.engine.tri_model import TriModelEngine
     from periodic_async.engine.logprobs import logprobs_entropy
     from periodic_async.models.convert import (_tp_shard_dim, export_hf_weights, gather_tp,
                                                load_hf_checkpoint, mcore_to_hf_full)
     from periodic_async.models.mcore import spec_from_hf_dir
 
     spec = spec_from_hf_dir(model_dir)
-    actor = Actor(actor_config(), spec, model_dir, temperature=TEMPERATURE, with_reference=True)
+    actor = TriModelEngine(actor_config(), spec, model_dir, temperature=TEMPERATURE, with_reference=True)
     if ref_dir is not None:
         load_hf_checkpoint(actor.reference, spec, ref_dir)
     out: dict = {"tp": ps.get_tensor_model_parallel_world_size()}
@@ -175,7 +175,7 @@ def tp_parity_quantities(model_dir: str, ref_dir: str | None = None) -> dict:
     missing = [n for n, p in params.items() if p.requires_grad and p.grad is None]
     if missing:
         raise RuntimeError(f"no gradient for {missing}")
-    metrics["actor/grad_norm"] = Actor.global_grad_norm(trainable)
+    metrics["actor/grad_norm"] = TriModelEngine.global_grad_norm(trainable)
     out["metrics"] = metrics
     out["grads"] = {n: t.clone() for n, t in mcore_to_hf_full(lambda n: gather_tp(n, params[n].grad), spec)}
 

@@ -109,7 +109,7 @@ def tp1(dirs, dist_cpu):
 
 def _hf_reference(model_dir: str, ref_dir: str) -> dict:
     """An independent computation: transformers models (eager, fp32) + autograd of the same GRPO
-    micro-batch loss Actor.train_micro_step builds (on-policy, so old_logp = logp.detach())."""
+    micro-batch loss TriModelEngine.train_micro_step builds (on-policy, so old_logp = logp.detach())."""
     from periodic_async.algo import grpo
     from periodic_async.engine.logprobs import logprobs_entropy_full
     cfg = helpers.actor_config()

@@ -5,7 +5,7 @@
         [--e2e --e2e-steps 20 --e2e-rounds 2]
 
 For every model size, group size K and prompt:response length ratio, one GRPO group (one prompt,
-K responses of equal length) goes through the Actor's training micro-step (policy forward +
+K responses of equal length) goes through the tri-model engine's training micro-step (policy forward +
 log-probs + clipped-PG loss + backward; no reference model) twice: packed by pack_unshared (K rows
 [P | Rk]) and by pack_shared (one row [P | R1 .. RK], the backend's shared-prompt kernel). The two
 are timed alternately (median of >= 3 repeats after a warm-up). Reported per case:
@@ -80,7 +80,7 @@ class SavedActivationBytes:
 
 def bench_model(name: str, backend, ks, ratios, resp_len: int, min_time: float, min_repeats: int, log):
     from periodic_async.config import ActorConfig
-    from periodic_async.engine.actor import Actor
+    from periodic_async.engine.tri_model import TriModelEngine
     from periodic_async.engine.batch import TrainSample, pack_shared, pack_unshared
     from periodic_async.models.mcore import spec_from_hf_dir
     from kernels.shared_prompt import attention_flop_ratio, ideal_token_ratio
@@ -89,7 +89,7 @@ def bench_model(name: str, backend, ks, ratios, resp_len: int, min_time: float, 
     tmp = tempfile.mkdtemp(prefix=f"bench_sp_{name}_")
     model_dir = make_model_dir(tmp, name)
     spec = spec_from_hf_dir(model_dir)
-    actors = {shared: Actor(ActorConfig(shared_prompt=shared, grad_clip=0.0), spec, model_dir, device=device,
+    actors = {shared: TriModelEngine(ActorConfig(shared_prompt=shared, grad_clip=0.0), spec, model_dir, device=device,
                             with_reference=False) for shared in (False, True)}
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -182,7 +182,7 @@ def write_docs(path: str, command: str, rows, e2e, env: str) -> None:
     begin, end = "<!-- shared-prompt-bench:begin -->", "<!-- shared-prompt-bench:end -->"
     lines = [begin, "## Shared-prompt attention", "",
              f"Command: `{command}`", "", f"Machine: {env}.", "",
-             "One GRPO group per measurement (one prompt, K responses of R tokens), the Actor's training "
+             "One GRPO group per measurement (one prompt, K responses of R tokens), the tri-model engine's training "
              "micro-step (policy forward, log-probs, clipped-PG loss, backward; fp32), unshared rows vs one "
              "shared-prompt row, timed alternately in the same run (median). `ideal ratio` = "
              "(P + K R) / (K (P + R)), `of ideal` = measured speedup / ideal speedup, `attn-FLOP ratio` = causal "

@@ -6,7 +6,7 @@ Shared-prompt layout (`pack_shared`, actor.shared_prompt: true): each group is o
 [prompt | r1 | ... | rK] (kernels/shared_prompt, docs/shared-prompt.md); the attention mask is a
 `SharedPromptLayout`, and the per-token tensors are per RESPONSE, [N, L]: `logit_index[n, i]` is the
 flat position (row * S + col) whose logits predict labels[n, i] = the i-th token of response n.
-The Actor consumes both through the same API; `pack_micro_batch` packs either for the trainer.
+The tri-model engine consumes both through the same API; `pack_micro_batch` packs either for the trainer.
 """
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ class MicroBatch:
     advantages: torch.Tensor      # same shape as labels: the sequence's advantage everywhere
     # shared only: [N, L] long, flat index into the B*S logits rows predicting labels[n, i]
     logit_index: Optional[torch.Tensor] = None
+    # same shape as labels, float: the rollout engine's log-prob of each response token (0 where
+    # none was reported); the trainer compares it with its own to catch a broken weight sync
+    rollout_logp: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:
@@ -49,9 +52,10 @@ class MicroBatch:
         return self.logit_index is not None
 
     def to(self, device) -> "MicroBatch":
+        opt = lambda t: None if t is None else t.to(device)
         return MicroBatch(*(t.to(device) for t in (self.input_ids, self.position_ids, self.attention_mask,
                                                      self.labels, self.loss_mask, self.advantages)),
-                          logit_index=None if self.logit_index is None else self.logit_index.to(device))
+                          logit_index=opt(self.logit_index), rollout_logp=opt(self.rollout_logp))
 
 
 def causal_mask(seq_len: int) -> torch.Tensor:
@@ -67,6 +71,7 @@ def pack_unshared(samples: list[TrainSample], pad_token_id: int) -> MicroBatch:
     labels = torch.full((b, width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((b, width), dtype=torch.float32)
     adv = torch.zeros((b, width), dtype=torch.float32)
+    rollout_logp = torch.zeros((b, width), dtype=torch.float32)
     for i, s in enumerate(samples):
         seq = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
         n, p = len(seq), len(s.prompt_ids)
@@ -74,8 +79,10 @@ def pack_unshared(samples: list[TrainSample], pad_token_id: int) -> MicroBatch:
         labels[i, :n - 1] = seq[1:]
         mask[i, p - 1:n - 1] = 1.0       # positions p-1 .. n-2 predict the response tokens
         adv[i, :] = s.advantage
+        if s.rollout_logprobs:
+            rollout_logp[i, p - 1:p - 1 + len(s.rollout_logprobs)] = torch.tensor(s.rollout_logprobs)
     pos = torch.arange(width)[None].expand(b, -1).contiguous()
-    return MicroBatch(ids, pos, causal_mask(width), labels, mask, adv)
+    return MicroBatch(ids, pos, causal_mask(width), labels, mask, adv, rollout_logp=rollout_logp)
 
 
 # ---------------------------------------------------------------------- shared-prompt packing
@@ -108,8 +115,12 @@ def pack_shared(groups: list[list[TrainSample]], pad_token_id: int, row_len: Opt
     packed = pack_groups(spec, pad_token_id, row_len)
     adv = torch.tensor([s.advantage for g in groups for s in g], dtype=torch.float32)
     advantages = adv[:, None].expand_as(packed.loss_mask).contiguous()
+    rollout_logp = torch.zeros_like(packed.loss_mask)
+    for n, s in enumerate(s for g in groups for s in g):
+        if s.rollout_logprobs:
+            rollout_logp[n, :len(s.rollout_logprobs)] = torch.tensor(s.rollout_logprobs)
     return MicroBatch(packed.input_ids, packed.position_ids, packed.layout, packed.labels,
-                      packed.loss_mask, advantages, logit_index=packed.logit_index)
+                      packed.loss_mask, advantages, logit_index=packed.logit_index, rollout_logp=rollout_logp)
 
 
 

@@ -8,12 +8,15 @@ Layouts (H = hidden, d = head_dim, G = query groups = kv heads, q = heads per gr
 - Norms are replicated.
 
 `load_hf_checkpoint` reads safetensors lazily and gives each rank only its shard;
-`export_hf_weights` gathers shards and yields (hf_name, tensor) in HF layout, one tensor at a time
-(the weight sync streams these to the rollout workers; `save_hf_checkpoint` writes a directory).
+`export_hf_weights` gathers TP and PP shards in buckets of bounded size (one flattened collective per
+bucket) and yields (hf_name, tensor) in HF layout (the weight sync streams these to the rollout
+workers; `save_hf_checkpoint` writes a directory). With PP, stage s holds layers
+[s*L/PP, (s+1)*L/PP), numbered locally from 0 in its state dict.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Callable, Iterator
 
@@ -164,19 +167,35 @@ class SafetensorsReader:
 
 
 def load_hf_checkpoint(model: torch.nn.Module, spec: ModelSpec, path: str) -> None:
-    """Copy a HF checkpoint into this rank's Megatron-core model (TP shard only)."""
+    """Copy a HF checkpoint into this rank's Megatron-core model: its TP shard of its pipeline
+    stage's layers (plus the embedding on the first stage, final norm / output on the last)."""
     from megatron.core import parallel_state as ps
+    from .mcore import stage_layers
     reader = SafetensorsReader(path)
-    shards = hf_to_mcore_shards(reader, spec, ps.get_tensor_model_parallel_rank(),
-                                ps.get_tensor_model_parallel_world_size())
+    layers = stage_layers(spec)
+    pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    shards = hf_to_mcore_shards(reader, spec, tp_rank, tp_size, layers, pre, post)
+    if post and not pre and spec.tie_word_embeddings:
+        # tied embeddings with PP > 1: the last stage holds its own copy of the embedding as the
+        # output layer (Megatron keeps the two in sync by all-reducing their gradients)
+        shards["output_layer.weight"] = _shard(reader("model.embed_tokens.weight"), 0, tp_rank, tp_size)
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(shards))
     if missing:
         raise KeyError(f"conversion produced no tensor for Megatron parameters {missing[:5]}")
+
+    def other_stage(name: str) -> bool:
+        if name.startswith("model.layers."):
+            return int(name.split(".")[2]) not in layers
+        if name.startswith("model.embed_tokens."):
+            return not pre
+        return not post   # model.norm, lm_head
     # Every checkpoint tensor must land somewhere: a silently dropped one (a bias the Megatron
     # layout has no place for) would give a wrong model without any error.
     unused = sorted(n for n in reader.names() - reader.used
-                    if not n.endswith("rotary_emb.inv_freq") and not (spec.tie_word_embeddings and n == "lm_head.weight"))
+                    if not n.endswith("rotary_emb.inv_freq") and not other_stage(n)
+                    and not (spec.tie_word_embeddings and n == "lm_head.weight"))
     if unused:
         raise KeyError(f"{path}: checkpoint tensors with no place in the Megatron model: {unused[:5]}")
     with torch.no_grad():
@@ -201,22 +220,151 @@ def gather_tp(name: str, local: torch.Tensor) -> torch.Tensor:
     from megatron.core import parallel_state as ps
     import torch.distributed as dist
     size = ps.get_tensor_model_parallel_world_size()
-    dim = _tp_shard_dim(name)
-    if size == 1 or dim is None:
+    if size == 1 or _tp_shard_dim(name) is None:
         return local.detach()
     parts = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(parts, local.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+    return _unshard(name, parts)
+
+
+def mcore_full_shape(name: str, spec: ModelSpec) -> tuple[int, ...]:
+    """The full (TP-unsharded) shape of a Megatron parameter, from the architecture alone, so
+    every rank can plan an export without seeing the other stages' parameters."""
+    h, f, d = spec.hidden_size, spec.ffn_hidden_size, spec.head_dim
+    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * d
+    for suffix, shape in (("word_embeddings.weight", (spec.vocab_size, h)), ("output_layer.weight", (spec.vocab_size, h)),
+                          ("layernorm.weight", (h,)), ("linear_qkv.weight", (qkv, h)), ("linear_qkv.bias", (qkv,)),
+                          ("linear_proj.weight", (h, spec.num_heads * d)), ("linear_fc1.weight", (2 * f, h)),
+                          ("linear_fc2.weight", (h, f))):
+        if name.endswith(suffix):
+            return shape
+    raise KeyError(f"unknown Megatron parameter {name}")
+
+
+def export_order(spec: ModelSpec) -> list[str]:
+    """Global Megatron parameter names in the order `mcore_to_hf_full` asks for them (found by
+    running it on shape-only meta tensors, so the order has one definition)."""
+    order: list[str] = []
+
+    def record(name: str) -> torch.Tensor:
+        order.append(name)
+        return torch.empty(mcore_full_shape(name, spec), device="meta")
+    for _ in mcore_to_hf_full(record, spec):
+        pass
+    return order
+
+
+def owner_stage(name: str, spec: ModelSpec, pp: int) -> tuple[int, str]:
+    """(pipeline stage holding a global Megatron parameter, its name on that stage)."""
+    if name.startswith("embedding."):
+        return 0, name
+    if name.startswith("decoder.layers."):
+        i = int(name.split(".")[2])
+        per = spec.num_layers // pp
+        stage = i // per
+        return stage, _mc_layer(i - stage * per) + name.split(".", 3)[3]
+    return pp - 1, name
+
+
+class _BucketedGather:
+    """Serves full Megatron tensors in export order, fetching them a bucket at a time: the owner
+    stage's TP ranks all-gather the bucket's shards in ONE collective (flattened), then the owner
+    broadcasts the full bucket over the pipeline group (one more). Every rank of the job must ask
+    for the same names in the same order. Each tensor is handed out once and then forgotten, so
+    at most about one bucket of gathered tensors is alive here."""
+
+    def __init__(self, params: dict[str, torch.Tensor], spec: ModelSpec, bucket_bytes: int):
+        from megatron.core import parallel_state as ps
+        self.params, self.spec = params, spec
+        self.tp, self.pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+        self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        self.dtype = next(iter(params.values())).dtype
+        self.device = next(iter(params.values())).device
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        # buckets: consecutive names of one owner stage, at most bucket_bytes (a bigger tensor alone)
+        self.buckets: list[tuple[int, list[str]]] = []
+        size = 0
+        for name in export_order(spec):
+            stage, _ = owner_stage(name, spec, self.pp)
+            nbytes = math.prod(mcore_full_shape(name, spec)) * itemsize
+            if not self.buckets or self.buckets[-1][0] != stage or size + nbytes > bucket_bytes:
+                self.buckets.append((stage, []))
+                size = 0
+            self.buckets[-1][1].append(name)
+            size += nbytes
+        self.next_bucket = 0
+        self.ready: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.ready:
+            if self.next_bucket >= len(self.buckets) or self.buckets[self.next_bucket][1][0] != name:
+                raise RuntimeError(f"export: tensor {name} asked for out of order")
+            self._fetch(*self.buckets[self.next_bucket])
+            self.next_bucket += 1
+        return self.ready.pop(name)
+
+    def _local_shape(self, name: str) -> tuple[int, ...]:
+        shape = list(mcore_full_shape(name, self.spec))
+        dim = _tp_shard_dim(name)
+        if dim is not None:
+            shape[dim] //= self.tp
+        return tuple(shape)
+
+    def _fetch(self, stage: int, names: list[str]) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        full_shapes = [mcore_full_shape(n, self.spec) for n in names]
+        full: list[torch.Tensor] = []
+        if stage == self.pp_rank:
+            local = [self.params[owner_stage(n, self.spec, self.pp)[1]].detach() for n in names]
+            if self.tp == 1:
+                full = local
+            else:
+                flat = torch.cat([t.reshape(-1) for t in local])                      # [sum local numel]
+                parts = [torch.empty_like(flat) for _ in range(self.tp)]
+                dist.all_gather(parts, flat, group=ps.get_tensor_model_parallel_group())
+                offset = 0
+                for n, t in zip(names, local):
+                    pieces = [p[offset:offset + t.numel()].view(t.shape) for p in parts]
+                    offset += t.numel()
+                    full.append(_unshard(n, pieces))
+        if self.pp > 1:
+            numel = sum(math.prod(s) for s in full_shapes)
+            flat = torch.cat([t.reshape(-1) for t in full]) if full else \
+                torch.empty(numel, dtype=self.dtype, device=self.device)
+            src = dist.get_global_rank(ps.get_pipeline_model_parallel_group(), stage)
+            dist.broadcast(flat, src=src, group=ps.get_pipeline_model_parallel_group())
+            full, offset = [], 0
+            for s in full_shapes:
+                full.append(flat[offset:offset + math.prod(s)].view(s))
+                offset += math.prod(s)
+        for n, t, s in zip(names, full, full_shapes):
+            if tuple(t.shape) != tuple(s):
+                raise RuntimeError(f"export: {n} has shape {tuple(t.shape)}, expected {tuple(s)}")
+            self.ready[n] = t
+
+
+def _unshard(name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
+    """Full tensor from the TP ranks' shards (in rank order)."""
+    dim = _tp_shard_dim(name)
+    if dim is None:
+        return pieces[0]
     if name.endswith("linear_fc1.weight"):
         # each rank holds [gate_r ; up_r]: regroup to [gate ; up]
-        halves = [p.chunk(2, dim=0) for p in parts]
+        halves = [p.chunk(2, dim=0) for p in pieces]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(parts, dim=dim)
+    return torch.cat(pieces, dim=dim)
 
 
-def export_hf_weights(model: torch.nn.Module, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream HF-layout (name, full tensor) pairs; every TP rank must iterate it (collectives)."""
-    params = dict(model.named_parameters())
-    return mcore_to_hf_full(lambda n: gather_tp(n, params[n]), spec)
+def export_hf_weights(model: torch.nn.Module, spec: ModelSpec, bucket_bytes: int = 256 << 20,
+                      select: Callable[[torch.nn.Parameter], torch.Tensor] = lambda p: p
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream HF-layout (name, full tensor) pairs gathered over TP and PP in buckets of at most
+    `bucket_bytes`. EVERY rank must iterate it to the end (collectives); all ranks receive every
+    tensor. `select` picks what is exported per parameter (default the weight; `lambda p: p.grad`
+    exports gradients in HF layout)."""
+    params = {n: select(p) for n, p in model.named_parameters()}
+    return mcore_to_hf_full(_BucketedGather(params, spec, int(bucket_bytes)), spec)
 
 
 def save_hf_checkpoint(named_tensors: Iterator[tuple[str, torch.Tensor]], src_dir: str, out_dir: str) -> None:

@@ -99,7 +99,22 @@ def transformer_config(spec: ModelSpec, dtype: str = "float32"):
         bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        sequence_parallel=False)
+        sequence_parallel=False,
+        # Micro-batches differ in length (packed responses): pipeline p2p sends shapes first.
+        variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",   # (dense model: only a config check)
+        # The GRPO loss is already normalised by the batch's token count: the schedule must not
+        # divide it again by tokens or micro-batches.
+        calculate_per_token_loss=True)
+
+
+def stage_layers(spec: ModelSpec) -> range:
+    """The global indices of the decoder layers this pipeline stage holds (equal split)."""
+    from megatron.core import parallel_state as ps
+    pp, rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    if spec.num_layers % pp:
+        raise ValueError(f"pipeline_model_parallel_size {pp} does not divide num_layers {spec.num_layers}")
+    per = spec.num_layers // pp
+    return range(rank * per, (rank + 1) * per)
 
 
 CORE_ATTENTIONS = ("local", "shared_prompt")
@@ -107,14 +122,17 @@ CORE_ATTENTIONS = ("local", "shared_prompt")
 
 def build_gpt_model(spec: ModelSpec, dtype: str = "float32", core_attention: str = "local",
                     attention_impl: str = "sdpa"):
-    """A Megatron-core GPTModel on the current TP/PP groups (parallel state must be initialised).
-    Forward: (input_ids [B, S], position_ids [B, S], attention_mask [B|1, 1, S, S] bool,
+    """A Megatron-core GPTModel on the current TP/PP groups (parallel state must be initialised):
+    this pipeline stage's layers (`stage_layers`), the embedding on the first stage, the final norm
+    and output layer on the last. A middle or last stage takes its input via set_input_tensor.
+    Forward (last stage): (input_ids [B, S], position_ids [B, S], attention_mask [B|1, 1, S, S] bool,
     True = masked out) -> logits [B, S, V/TP] (vocab-sharded).
 
     core_attention: "local" - Megatron's DotProductAttention in the local spec (GPTModel, RoPE over
     0..S-1, position_ids unused); "shared_prompt" - kernels/shared_prompt's core attention
     (`attention_impl`: the backend's attention_impl name) in `PositionRopeGPTModel`, whose RoPE
     follows position_ids; its attention_mask may also be a `SharedPromptLayout` (docs/shared-prompt.md)."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     if core_attention not in CORE_ATTENTIONS:
@@ -129,7 +147,8 @@ def build_gpt_model(spec: ModelSpec, dtype: str = "float32", core_attention: str
         transformer_layer_spec=layer_spec,
         vocab_size=spec.vocab_size, max_sequence_length=spec.max_position_embeddings,
         position_embedding_type="rope", rotary_base=int(spec.rope_theta),
-        share_embeddings_and_output_weights=spec.tie_word_embeddings)
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage())
 
 
 def shared_prompt_layer_spec(layer_spec, attention_impl: str):

@@ -1,0 +1,377 @@
+"""The tri-model engine: policy, old policy and reference on ONE Megatron-core layout.
+
+GRPO needs three log-probs per response token: the policy's (with gradient), the old policy's
+(the policy at the start of the batch, for the PPO ratio) and the reference's (the initial
+weights, for the KL term). Here the three models are built with the same TP / PP / DP groups and
+the same sharding, so no resharding ever happens between them, and each pipeline stage holds its
+layers of all three. One micro-step runs the three forwards and the GRPO loss inside Megatron-core's
+pipeline schedule (`get_forward_backward_func`): the three activations travel through the stages
+as one tensor, and the backward runs through the policy only.
+
+- Old-policy shortcut: when old == policy (the first optimizer step of a batch; the only one in
+  strictly on-policy GRPO with ppo_epochs = 1) the old forward is skipped and the detached policy
+  log-probs are used - the same loss and gradients for one forward less. The old model is only
+  built when something needs it (ppo_epochs > 1, or the shortcut turned off).
+- Memory options for the frozen models: weights in bf16 (`frozen_dtype`), and/or kept in host
+  memory and brought to the device only for their forward (`offload_frozen`).
+- Data parallelism: each DP rank trains on its share of the groups; `optimizer_step` all-reduces
+  the gradients over DP (and the tied embedding's over the first/last pipeline stage), clips by
+  the global norm and steps AdamW.
+- Weight export: HF-layout tensors gathered over TP and PP in buckets of bounded size
+  (models/convert.py), consumed by the weight sync at batch boundaries.
+
+Shapes: B packed rows, S positions, H hidden, V/TP the vocabulary shard; per-token tensors are
+[B, S] (unshared) or [N, L] per response (shared prompt, engine/batch.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from functools import partial
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from ..algo import grpo
+from ..config import ActorConfig
+from ..models.convert import export_hf_weights, load_hf_checkpoint
+from ..models.mcore import ModelSpec, build_gpt_model
+from .batch import MicroBatch
+from .logprobs import logprobs_entropy
+
+MODELS = ("policy", "old", "ref")
+# Loss-term sums returned per batch (divide by the batch normaliser); fixed so every rank reduces
+# the same keys whatever its pipeline stage.
+SUM_KEYS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/kl_loss", "actor/entropy", "actor/loss")
+
+
+class TriModelChunk(torch.nn.Module):
+    """This pipeline stage's part of the policy, old and reference models, run by Megatron's
+    schedule as one model.
+
+    The active models' activations travel between stages as ONE tensor [S, M*B, H]: their
+    [S, B, H] activations concatenated along the batch dimension, policy first, so the schedule
+    and its p2p sends stay Megatron's own. The frozen models run under no_grad on detached
+    slices, so the backward goes through the policy only (the frozen slices of the gradient
+    coming back are zeros). On the last stage the output is the list of the models' logits."""
+
+    def __init__(self, policy, old, ref, frozen_residency):
+        super().__init__()
+        self.policy, self.old, self.ref = policy, old, ref
+        self.config, self.model_type = policy.config, policy.model_type
+        self.pre_process, self.post_process = policy.pre_process, policy.post_process
+        self.active: tuple[str, ...] = ("policy",)
+        self._resident = frozen_residency      # context manager: a frozen model's weights on the device
+        self._input: torch.Tensor | None = None
+
+    def set_input_tensor(self, input_tensor) -> None:
+        if isinstance(input_tensor, list):
+            input_tensor = input_tensor[0]
+        self._input = input_tensor
+
+    def forward(self, input_ids, position_ids, attention_mask):
+        m = len(self.active)
+        slices = [None] * m if self._input is None else list(self._input.chunk(m, dim=1))   # m x [S, B, H]
+        outs = []
+        for name, x in zip(self.active, slices):
+            model = getattr(self, name)
+            if name == "policy":
+                model.set_input_tensor(x)
+                outs.append(model(input_ids, position_ids, attention_mask))
+                continue
+            with torch.no_grad(), self._resident(model):
+                dtype = model.config.params_dtype
+                model.set_input_tensor(None if x is None else x.detach().to(dtype))
+                outs.append(model(input_ids, position_ids, attention_mask))
+        if self.post_process:
+            return outs                                               # m x [B, S, V/TP]
+        return torch.cat([o.to(outs[0].dtype) for o in outs], dim=1)  # [S, m*B, H]
+
+
+class TriModelEngine:
+    def __init__(self, cfg: ActorConfig, spec: ModelSpec, model_dir: str, dtype: str = "float32",
+                 device: torch.device | str = "cpu", temperature: float = 1.0, with_reference: bool = True,
+                 with_old: bool | None = None, attention_impl: str | None = None):
+        """attention_impl: shared-prompt kernel name; default: the active backend's attention_impl.
+        with_old: build the old-policy model (default: when ppo_epochs > 1 or the shortcut is off)."""
+        from megatron.core import parallel_state as ps
+        self.cfg, self.spec, self.device, self.temperature = cfg, spec, torch.device(device), temperature
+        self.shared_prompt = bool(cfg.shared_prompt)
+        model_kwargs = {}
+        if self.shared_prompt:
+            if attention_impl is None:
+                from ..backend import active_backend
+                attention_impl = active_backend().attention_impl
+            model_kwargs = {"core_attention": "shared_prompt", "attention_impl": attention_impl}
+        if with_old is None:
+            with_old = cfg.ppo_epochs > 1 or not cfg.old_logp_shortcut
+        frozen_dtype = dtype if cfg.frozen_dtype == "same" else cfg.frozen_dtype
+        self.offload = cfg.offload_frozen and self.device.type != "cpu"
+        self._host: dict[int, torch.Tensor] = {}     # id(param) -> host copy of a frozen weight
+
+        def build(dt: str, frozen: bool):
+            model = build_gpt_model(spec, dt, **model_kwargs)
+            load_hf_checkpoint(model, spec, model_dir)
+            model.to(self.device)
+            if frozen:
+                model.eval().requires_grad_(False)
+                if self.offload:
+                    self._offload(model)
+            return model
+
+        self.policy = build(dtype, frozen=False)
+        self.old = build(frozen_dtype, frozen=True) if with_old else None
+        self.reference = build(frozen_dtype, frozen=True) if with_reference else None
+        self.chunk = TriModelChunk(self.policy, self.old, self.reference, self._resident)
+        self.old_is_current = True     # the old model holds the policy of the current batch's start
+        self.pp = ps.get_pipeline_model_parallel_world_size()
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+                                           eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+
+    # ------------------------------------------------------------------ frozen-model residency
+    def _offload(self, model) -> None:
+        """Keep a frozen model's weights in (pinned) host memory; the device copy is dropped."""
+        for p in model.parameters():
+            host = self._host.get(id(p))
+            if host is None:
+                host = torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
+                self._host[id(p)] = host
+            host.copy_(p.data)
+            p.data = host
+
+    @contextlib.contextmanager
+    def _resident(self, model):
+        """The model's weights on the device for the duration (a no-op unless offload_frozen)."""
+        if not self.offload:
+            yield
+            return
+        for p in model.parameters():
+            p.data = self._host[id(p)].to(self.device, non_blocking=True)
+        try:
+            yield
+        finally:
+            for p in model.parameters():   # frozen: the host copy is still exact
+                p.data = self._host[id(p)]
+
+    def refresh_old(self) -> None:
+        """old <- policy (same sharding, local copies); call at the start of every batch. Until the
+        next optimizer step the policy is the one that generated the batch."""
+        if self.old is None or self.old_is_current:
+            self.old_is_current = True
+            return
+        with torch.no_grad():
+            for po, pp in zip(self.old.parameters(), self.policy.parameters()):
+                if self.offload:
+                    self._host[id(po)].copy_(pp)
+                else:
+                    po.copy_(pp)
+        self.old_is_current = True
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of model state on this rank's device: policy weights + grads + Adam moments, and
+        the frozen models' weights while resident (0 between uses when offloaded)."""
+        def nbytes(ps):
+            return sum(p.numel() * p.element_size() for p in ps)
+        pol = list(self.policy.parameters())
+        out = {"policy": nbytes(pol), "grads": nbytes(pol),
+               "optimizer": sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
+                                for t in s.values() if torch.is_tensor(t) and t.dim() > 0)}
+        for name, model in (("old", self.old), ("ref", self.reference)):
+            out[name] = 0 if model is None or self.offload else nbytes(model.parameters())
+        return out
+
+    # ------------------------------------------------------------------ forward / loss
+    def _logprobs(self, logits: torch.Tensor, mb: MicroBatch, with_entropy: bool):
+        if mb.logit_index is not None:
+            # shared prompt: the rows predicting each response token, [N, L, V/TP]; the last prompt
+            # row is gathered once per response (its gradient sums the K contributions)
+            logits = logits.reshape(-1, logits.shape[-1])[mb.logit_index]
+        return logprobs_entropy(logits, mb.labels, self.temperature, with_entropy)
+
+    def _check(self, mb: MicroBatch) -> MicroBatch:
+        if mb.logit_index is not None and not self.shared_prompt:
+            raise ValueError("a shared-prompt micro-batch (pack_shared) needs actor.shared_prompt: true")
+        return mb.to(self.device)
+
+    def _loss(self, mb: MicroBatch, normaliser: float, outputs: list[torch.Tensor]):
+        """Last stage: the GRPO loss of one micro-batch from the active models' logits."""
+        cfg = self.cfg
+        logits = dict(zip(self.chunk.active, outputs))
+        logp, entropy = self._logprobs(logits["policy"], mb, with_entropy=True)            # [B, S]
+        old_logp = self._logprobs(logits["old"], mb, False)[0] if "old" in logits else logp.detach()
+        pg_tok, clipped = grpo.clipped_pg_loss(logp, old_logp, mb.advantages, cfg.clip_ratio)
+        pg_loss = grpo.aggregate(pg_tok, mb.loss_mask, cfg.loss_agg_mode, normaliser)
+        loss = pg_loss
+        m = {"actor/pg_loss": pg_loss.detach(),
+             "actor/pg_clipfrac": grpo.aggregate(clipped.float(), mb.loss_mask, cfg.loss_agg_mode, normaliser)}
+        if "ref" in logits:
+            ref_logp = self._logprobs(logits["ref"], mb, False)[0]
+            kl = grpo.aggregate(grpo.kl_penalty(logp, ref_logp, cfg.kl_type), mb.loss_mask, cfg.loss_agg_mode,
+                                normaliser)
+            m["actor/kl_loss"] = kl.detach()
+            if cfg.kl_coef:
+                loss = loss + cfg.kl_coef * kl
+        ent = grpo.aggregate(entropy if cfg.entropy_coef else entropy.detach(), mb.loss_mask, cfg.loss_agg_mode,
+                             normaliser)
+        if cfg.entropy_coef:
+            loss = loss - cfg.entropy_coef * ent
+        m["actor/entropy"] = ent.detach()
+        m["actor/loss"] = loss.detach()
+        if mb.rollout_logp is not None and self.old_is_current:
+            # the policy here is the one that generated: its probabilities should equal the engine's
+            diff = (logp.detach().exp() - mb.rollout_logp.exp()).abs() * mb.loss_mask
+            m["diff_sum"], m["diff_max"], m["diff_count"] = diff.sum(), diff.max(), mb.loss_mask.sum()
+        num_tokens = torch.tensor(mb.num_tokens, dtype=torch.int)
+        return loss, num_tokens, m
+
+    def _forward_step(self, normaliser: float, data_iterator, chunk):
+        mb = self._check(next(data_iterator))
+        out = chunk(mb.input_ids, mb.position_ids, mb.attention_mask)
+        return out, partial(self._loss, mb, normaliser)
+
+    def _schedule(self, forward_step, micro_batches: Iterator[MicroBatch], num_micro_batches: int,
+                  forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=micro_batches, model=[self.chunk],
+            num_microbatches=num_micro_batches, seq_length=1, micro_batch_size=1,   # shapes travel (variable_seq_lengths)
+            forward_only=forward_only)
+
+    def forward_backward(self, micro_batches: Iterable[MicroBatch], num_micro_batches: int,
+                         use_old: bool = False, normaliser: float = 1.0) -> dict[str, float]:
+        """Forward + backward of `num_micro_batches` micro-batches drawn from `micro_batches` (an
+        iterator may block: the trainer feeds groups as they finish). use_old: take the old
+        log-probs from the old model (needed once the policy moved within the batch); otherwise
+        the shortcut (old = detached policy) applies. Gradients accumulate until optimizer_step.
+        Returns the loss-term sums (SUM_KEYS, over micro-batches and DP ranks; divide by the
+        normaliser when micro-batches ran with normaliser 1) and the rollout/trainer probability
+        check `training/rollout_probs_diff_mean` / `_max` (when the policy is the generating one)."""
+        if use_old and self.old is None:
+            raise RuntimeError("use_old needs the old-policy model (actor.ppo_epochs > 1 or "
+                               "actor.old_logp_shortcut: false)")
+        use_old = use_old or (self.old is not None and not self.cfg.old_logp_shortcut)
+        self.chunk.active = ("policy",) + (("old",) if use_old else ()) + (("ref",) if self.reference is not None else ())
+        self.policy.train()
+        store = self._schedule(partial(self._forward_step, normaliser), iter(micro_batches), num_micro_batches, False)
+        return self._reduce_metrics(store)
+
+    def train_micro_step(self, mb: MicroBatch, normaliser: float, use_old: bool = False) -> dict[str, float]:
+        """One micro-batch: forward + backward (a schedule of one micro-batch)."""
+        return self.forward_backward([mb], 1, use_old, normaliser)
+
+    def _reduce_metrics(self, store: list[dict]) -> dict[str, float]:
+        """Sum the last stage's per-micro-batch metrics over micro-batches, then over the whole job
+        (TP ranks of the last stage hold identical values, other stages none)."""
+        from megatron.core import parallel_state as ps
+        sums = torch.zeros(len(SUM_KEYS) + 2, dtype=torch.float64)
+        mx = torch.zeros(1, dtype=torch.float64)
+        for m in store:
+            for i, k in enumerate(SUM_KEYS):
+                if k in m:
+                    sums[i] += float(m[k])
+            if "diff_sum" in m:
+                sums[-2] += float(m["diff_sum"])
+                sums[-1] += float(m["diff_count"])
+                mx = torch.maximum(mx, torch.tensor([float(m["diff_max"])], dtype=torch.float64))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(sums)
+            dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+            sums /= ps.get_tensor_model_parallel_world_size()
+        out = {k: float(sums[i]) for i, k in enumerate(SUM_KEYS) if k != "actor/kl_loss" or self.reference is not None}
+        if sums[-1] > 0:
+            out["training/rollout_probs_diff_mean"] = float(sums[-2] / sums[-1])
+            out["training/rollout_probs_diff_max"] = float(mx)
+        return out
+
+    @torch.no_grad()
+    def compute_logprobs(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
+        """{'policy', 'old' (when built), 'ref' (when built)}: per-token log-probs shaped like
+        mb.labels, from one tri-model forward (schedule, forward only); every rank gets them."""
+        from megatron.core import parallel_state as ps
+        self.chunk.active = ("policy",) + (("old",) if self.old is not None else ()) + \
+            (("ref",) if self.reference is not None else ())
+        names = self.chunk.active
+
+        def collect(mb, outputs):
+            lps = torch.stack([self._logprobs(o, mb, False)[0] for o in outputs])   # [M, B, S]
+            return torch.zeros(()), torch.tensor(0, dtype=torch.int), lps
+
+        def step(data_iterator, chunk):
+            mb = self._check(next(data_iterator))
+            return chunk(mb.input_ids, mb.position_ids, mb.attention_mask), partial(collect, mb)
+        self.policy.eval()
+        store = self._schedule(step, iter([mb]), 1, True)
+        lps = store[0] if store else torch.empty((len(names),) + tuple(mb.labels.shape), device=self.device)
+        if self.pp > 1:
+            group = ps.get_pipeline_model_parallel_group()
+            dist.broadcast(lps, src=dist.get_global_rank(group, self.pp - 1), group=group)
+        self.policy.train()
+        return dict(zip(names, lps.unbind(0)))
+
+    # ------------------------------------------------------------------ update
+    def optimizer_step(self, grad_scale: float = 1.0) -> dict[str, float]:
+        """All-reduce gradients over DP (and the tied embedding's between the first and last
+        pipeline stage), multiply by `grad_scale` (the batch normaliser's inverse when micro-steps
+        ran with normaliser 1), clip by the global norm, step. The old model is stale afterwards."""
+        from megatron.core import parallel_state as ps
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.pp > 1 and self.spec.tie_word_embeddings and (self.policy.pre_process or self.policy.post_process):
+            # the first stage's embedding and the last stage's output layer are one weight
+            w = self.policy.shared_embedding_or_output_weight()
+            dist.all_reduce(w.grad, group=ps.get_embedding_group())
+        if ps.get_data_parallel_world_size() > 1:
+            grads = [p.grad for p in params]
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=ps.get_data_parallel_group())
+            for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(synced)
+        if grad_scale != 1.0:
+            for p in params:
+                p.grad.mul_(grad_scale)
+        grad_norm = self.global_grad_norm(self._unique_params(params))
+        if self.cfg.grad_clip > 0 and math.isfinite(grad_norm) and grad_norm > self.cfg.grad_clip:
+            scale = self.cfg.grad_clip / (grad_norm + 1e-6)
+            for p in params:
+                p.grad.mul_(scale)
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.old_is_current = False
+        return {"actor/grad_norm": grad_norm, "actor/lr": self.optimizer.param_groups[0]["lr"]}
+
+    def _unique_params(self, params):
+        """Parameters counted once in the norm: the last stage's copy of a tied embedding is not."""
+        if self.pp > 1 and self.spec.tie_word_embeddings and self.policy.post_process and not self.policy.pre_process:
+            dup = self.policy.shared_embedding_or_output_weight()
+            return [p for p in params if p is not dup]
+        return params
+
+    @staticmethod
+    def global_grad_norm(params: list[torch.nn.Parameter]) -> float:
+        """L2 norm of the full (unsharded) gradient: TP-sharded parameters' squares are summed over
+        the TP group, replicated ones (norms) counted once, then stages summed over the PP group."""
+        from megatron.core import parallel_state as ps
+        sharded = torch.zeros((), dtype=torch.float64)
+        replicated = torch.zeros((), dtype=torch.float64)
+        for p in params:
+            sq = p.grad.detach().double().square().sum().cpu()
+            if getattr(p, "tensor_model_parallel", False):
+                sharded += sq
+            else:
+                replicated += sq
+        if ps.get_tensor_model_parallel_world_size() > 1:
+            dist.all_reduce(sharded, group=ps.get_tensor_model_parallel_group())
+        total = sharded + replicated
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
+        return float(total.sqrt())
+
+    # ------------------------------------------------------------------ weights
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-layout (name, tensor) pairs of the policy, gathered over TP and PP in buckets of
+        actor.export_bucket_mb; every rank must consume the iterator (collectives)."""
+        return export_hf_weights(self.policy, self.spec, int(self.cfg.export_bucket_mb * (1 << 20)))
