@@ -162,13 +162,18 @@ def _apply_cpu_megatron_shims() -> None:
     """Megatron-core assumes CUDA. On CPU, map the CUDA calls it makes onto the CPU device - the
     same idea as torch_npu's `transfer_to_npu` on Ascend (see ../shared/platform-notes.md):
     - `torch.cuda.current_device()` is passed as a `device=` in ~580 places: return "cpu";
-    - `torch.cuda.synchronize()` (pipeline p2p) becomes a no-op.
+    - `torch.cuda.synchronize()` (pipeline p2p) becomes a no-op;
+    - `Tensor.cuda()` returns the tensor itself; the schedules' `torch.zeros(device="cuda")` are made on CPU.
     Applied once, idempotent, only for the cpu backend."""
     global _CPU_SHIM_APPLIED
     if _CPU_SHIM_APPLIED:
         return
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    # With PP > 1 and tied embeddings, the last stage's copy is moved with `.cuda()` before its
+    # first all-reduce: on the cpu backend a tensor already is where it should be (transfer_to_npu
+    # maps the same call to the NPU).
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[assignment]
     # The pipeline schedules count tokens in `torch.zeros(..., device="cuda")`: give that module
     # a torch whose factory functions map "cuda" to the CPU (nothing else changes).
     from megatron.core.pipeline_parallel import schedules

@@ -190,3 +190,70 @@ def tp_parity_quantities(model_dir: str, ref_dir: str | None = None) -> dict:
                 diff = max(diff, max(float((q - parts[0]).abs().max()) for q in parts))
     out["replicated_grad_max_diff"] = diff
     return out
+
+
+# ---------------------------------------------------------------------- the tri-model parity computation
+
+# Four GRPO groups (K = 3) with different prompt and response lengths; one group per micro-batch.
+TRI_GROUPS = [
+    ([5, 6, 7, 8], [[9, 10, 11, 12, 1], [9, 3], [14, 15, 16]], [1.1, -0.4, -0.7]),
+    ([3, 4, 5, 6, 7, 8], [[20, 21], [22, 1], [4, 4, 4, 4]], [-0.9, 0.2, 0.7]),
+    ([12, 13, 14], [[15, 16, 17, 18, 19, 2, 1], [6], [7, 8, 9]], [0.4, 1.2, -1.6]),
+    ([9, 10], [[11, 12, 13], [14, 1], [15, 16, 17, 18]], [0.3, -1.0, 0.7]),
+]
+
+
+def tri_groups():
+    """TRI_GROUPS as lists of TrainSample (rollout log-probs included, from a fixed formula)."""
+    from periodic_async.engine.batch import TrainSample
+    return [[TrainSample(prompt, resp, adv, [-0.5 - 0.01 * j for j in range(len(resp))])
+             for resp, adv in zip(responses, advs)] for prompt, responses, advs in TRI_GROUPS]
+
+
+def tri_model_config(shared_prompt: bool = False, **kw):
+    """ppo_epochs 2 (the old model exists), small export buckets (many collectives), Adam eps 1e-4
+    (see test_periodic: eps 1e-8 turns fp32 rounding on tiny gradients into visible updates)."""
+    from periodic_async.config import ActorConfig
+    kw = {"kl_coef": KL_COEF, "entropy_coef": ENTROPY_COEF, "ppo_epochs": 2, "export_bucket_mb": 0.02,
+          "adam_eps": 1e-4, "lr": 1e-2, **kw}
+    return ActorConfig(shared_prompt=shared_prompt, **kw)
+
+
+def tri_model_quantities(model_dir: str, ref_dir: str | None = None, shared_prompt: bool = False) -> dict:
+    """Everything the tri-model parity test compares, on the CURRENT Megatron parallel state
+    (any TP x PP x DP); every rank must call it. DP rank r trains on groups r, r + DP, ...
+    Returns (identical on every rank, CPU):
+      weights:   HF-layout export of the policy (bucketed over TP and PP) = the checkpoint
+      logp:      {'policy', 'old', 'ref'} per-token log-probs of group 0's micro-batch
+      epoch1:    loss-term sums of the first pass (old-policy shortcut) over all groups
+      grads:     the full batch gradient in HF layout, after finalize_grads; grad_norm
+      epoch2:    loss-term sums of a second pass after one optimizer step (old model forward)
+      weights_after: the policy after the step
+    """
+    from megatron.core import parallel_state as ps
+    from periodic_async.engine.batch import pack_micro_batch
+    from periodic_async.engine.tri_model import TriModelEngine
+    from periodic_async.models.convert import export_hf_weights, load_hf_checkpoint
+    from periodic_async.models.mcore import spec_from_hf_dir
+
+    spec = spec_from_hf_dir(model_dir)
+    eng = TriModelEngine(tri_model_config(shared_prompt), spec, model_dir, temperature=TEMPERATURE,
+                         with_reference=True, attention_impl="sdpa" if shared_prompt else None)
+    if ref_dir is not None:
+        load_hf_checkpoint(eng.reference, spec, ref_dir)
+    out: dict = {"layout": (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                            ps.get_data_parallel_world_size())}
+    out["weights"] = {n: t.clone() for n, t in eng.export_weights()}
+    groups = tri_groups()
+    mbs = [pack_micro_batch(g, 0, shared_prompt) for g in groups]
+    out["logp"] = {k: v.clone() for k, v in eng.compute_logprobs(mbs[0]).items()}
+    normaliser = float(sum(len(s.response_ids) for g in groups for s in g))
+    mine = mbs[ps.get_data_parallel_rank()::ps.get_data_parallel_world_size()]
+    eng.refresh_old()
+    out["epoch1"] = eng.forward_backward(iter(mine), len(mine), normaliser=normaliser)
+    eng.finalize_grads()
+    out["grads"] = {n: t.clone() for n, t in export_hf_weights(eng.policy, spec, 1 << 14, select=lambda p: p.grad)}
+    out["grad_norm"] = eng.step_finalized()["actor/grad_norm"]
+    out["epoch2"] = eng.forward_backward(iter(mine), len(mine), use_old=True, normaliser=normaliser)
+    out["weights_after"] = {n: t.clone() for n, t in eng.export_weights()}
+    return out

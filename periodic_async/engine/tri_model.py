@@ -107,7 +107,7 @@ class TriModelEngine:
         if with_old is None:
             with_old = cfg.ppo_epochs > 1 or not cfg.old_logp_shortcut
         frozen_dtype = dtype if cfg.frozen_dtype == "same" else cfg.frozen_dtype
-        self.offload = cfg.offload_frozen and self.device.type != "cpu"
+        self.offload = cfg.offload_frozen     # on the cpu backend host == device: same path, no saving
         self._host: dict[int, torch.Tensor] = {}     # id(param) -> host copy of a frozen weight
 
         def build(dt: str, frozen: bool):
@@ -135,7 +135,7 @@ class TriModelEngine:
         for p in model.parameters():
             host = self._host.get(id(p))
             if host is None:
-                host = torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
+                host = torch.empty(p.shape, dtype=p.dtype, pin_memory=self.device.type != "cpu")
                 self._host[id(p)] = host
             host.copy_(p.data)
             p.data = host
@@ -147,7 +147,8 @@ class TriModelEngine:
             yield
             return
         for p in model.parameters():
-            p.data = self._host[id(p)].to(self.device, non_blocking=True)
+            # a copy even when host == device (cpu), so the cpu tests exercise the same swap
+            p.data = self._host[id(p)].to(self.device, non_blocking=True, copy=True)
         try:
             yield
         finally:
@@ -310,10 +311,10 @@ class TriModelEngine:
         return dict(zip(names, lps.unbind(0)))
 
     # ------------------------------------------------------------------ update
-    def optimizer_step(self, grad_scale: float = 1.0) -> dict[str, float]:
-        """All-reduce gradients over DP (and the tied embedding's between the first and last
-        pipeline stage), multiply by `grad_scale` (the batch normaliser's inverse when micro-steps
-        ran with normaliser 1), clip by the global norm, step. The old model is stale afterwards."""
+    def finalize_grads(self, grad_scale: float = 1.0) -> None:
+        """Make every rank's gradient the batch's full gradient: all-reduce the tied embedding's
+        between the first and last pipeline stage and everything over DP, then multiply by
+        `grad_scale` (the batch normaliser's inverse when micro-steps ran with normaliser 1)."""
         from megatron.core import parallel_state as ps
         params = [p for p in self.policy.parameters() if p.requires_grad]
         for p in params:
@@ -332,6 +333,11 @@ class TriModelEngine:
         if grad_scale != 1.0:
             for p in params:
                 p.grad.mul_(grad_scale)
+
+    def step_finalized(self) -> dict[str, float]:
+        """Clip the finalized gradient by its global norm and step AdamW; the old model is stale
+        afterwards (refresh_old at the next batch)."""
+        params = [p for p in self.policy.parameters() if p.requires_grad]
         grad_norm = self.global_grad_norm(self._unique_params(params))
         if self.cfg.grad_clip > 0 and math.isfinite(grad_norm) and grad_norm > self.cfg.grad_clip:
             scale = self.cfg.grad_clip / (grad_norm + 1e-6)
@@ -342,6 +348,11 @@ class TriModelEngine:
         self.optimizer.zero_grad(set_to_none=True)
         self.old_is_current = False
         return {"actor/grad_norm": grad_norm, "actor/lr": self.optimizer.param_groups[0]["lr"]}
+
+    def optimizer_step(self, grad_scale: float = 1.0) -> dict[str, float]:
+        """finalize_grads(grad_scale), then step_finalized()."""
+        self.finalize_grads(grad_scale)
+        return self.step_finalized()
 
     def _unique_params(self, params):
         """Parameters counted once in the norm: the last stage's copy of a tied embedding is not."""
