@@ -72,6 +72,12 @@ class Backend:
             return torch.npu.max_memory_allocated()  # type: ignore[attr-defined]
         return 0
 
+    def reset_peak_memory(self) -> None:
+        if self.name == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        elif self.name == "npu":
+            torch.npu.reset_peak_memory_stats()  # type: ignore[attr-defined]
+
     # ------------------------------------------------------------------ placement
     def rollout_placements(self, num_workers: int, trainer_procs: int) -> tuple[list[dict], dict]:
         """Where each rollout worker and the trainer processes of this node run.

@@ -72,7 +72,13 @@ def test_missing_file_and_bad_override_syntax(tmp_path):
     (["reward.name=custom"], {}, "reward.custom_file: required"),
     (["rollout.top_p=0"], {}, "rollout.top_p: must be in (0, 1]"),
     (["actor.kl_type=k9"], {}, "actor.kl_type: 'k9' is not allowed"),
-    (["parallel.pipeline_model_parallel_size=2"], dict(world_size=2), "parallel.pipeline_model_parallel_size"),
+    (["parallel.pipeline_model_parallel_size=3"], dict(world_size=3, num_layers=4),
+     "parallel.pipeline_model_parallel_size: 3 does not divide the model's 4 layers"),
+    (["data.train_batch_size=6"], dict(world_size=4),
+     "data.train_batch_size: 6 prompts cannot be split evenly over 4 data-parallel ranks"),
+    (["actor.frozen_dtype=fp8"], {}, "actor.frozen_dtype: 'fp8' is not allowed; allowed: same, bfloat16"),
+    (["actor.ppo_epochs=0"], {}, "actor.ppo_epochs: must be >= 1, got 0"),
+    (["actor.export_bucket_mb=0"], {}, "actor.export_bucket_mb: must be > 0"),
 ])
 def test_impossible_combinations_rejected(overrides, kwargs, message):
     cfg = load_config(DEFAULT, overrides)

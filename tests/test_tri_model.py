@@ -180,6 +180,15 @@ def test_tri_step_equals_three_separate_forwards(model_dirs, megatron_tp1):
     for k, v in (("policy", logp.detach()), ("old", old), ("ref", ref)):
         torch.testing.assert_close(lps[k], v, rtol=0, atol=1e-6)
 
+    # and the separate-passes design through the engine (old and reference forward-only passes
+    # first, then the policy's training pass on their stored log-probs) is the same computation
+    eng.optimizer.zero_grad(set_to_none=True)
+    pre = eng.forward_logprobs([mb], ("old", "ref"))
+    sep = eng.forward_backward([mb], 1, normaliser=norm, precomputed=pre)
+    _assert_metrics_close({k: v for k, v in sep.items() if k.startswith("actor/")}, want, "separate passes")
+    for n, p in eng.policy.named_parameters():
+        torch.testing.assert_close(p.grad, got_grads[n], rtol=1e-5, atol=1e-7)
+
 
 def test_old_policy_shortcut_equals_old_forward(model_dirs, megatron_tp1):
     """At a batch's start old == policy: skipping the old forward (detached policy log-probs)

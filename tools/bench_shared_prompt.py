@@ -41,16 +41,9 @@ MODELS = {
 
 
 def make_model_dir(path: str, name: str, seed: int = 0) -> str:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from periodic_async.models.tiny import make_random_model_dir
     hidden, layers, heads, kv, ffn, vocab = MODELS[name]
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=4096,
-                      rope_parameters={"rope_type": "default", "rope_theta": 1.0e6}, tie_word_embeddings=True,
-                      eos_token_id=1, pad_token_id=0, bos_token_id=None, architectures=["Qwen2ForCausalLM"])
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        Qwen2ForCausalLM(cfg).save_pretrained(path)
-    return path
+    return make_random_model_dir(path, hidden, layers, heads, kv, ffn, vocab, seed)
 
 
 class SavedActivationBytes:

@@ -195,19 +195,23 @@ class TriModelEngine:
             raise ValueError("a shared-prompt micro-batch (pack_shared) needs actor.shared_prompt: true")
         return mb.to(self.device)
 
-    def _loss(self, mb: MicroBatch, normaliser: float, outputs: list[torch.Tensor]):
-        """Last stage: the GRPO loss of one micro-batch from the active models' logits."""
+    def _loss(self, mb: MicroBatch, normaliser: float, pre: dict, outputs: list[torch.Tensor]):
+        """Last stage: the GRPO loss of one micro-batch from the active models' logits (or the
+        log-probs in `pre` for models not run here: the separate-passes design)."""
         cfg = self.cfg
         logits = dict(zip(self.chunk.active, outputs))
         logp, entropy = self._logprobs(logits["policy"], mb, with_entropy=True)            # [B, S]
-        old_logp = self._logprobs(logits["old"], mb, False)[0] if "old" in logits else logp.detach()
+        for name in ("old", "ref"):
+            if name in logits:
+                pre[name] = self._logprobs(logits[name], mb, False)[0]
+        old_logp = pre["old"] if "old" in pre else logp.detach()
         pg_tok, clipped = grpo.clipped_pg_loss(logp, old_logp, mb.advantages, cfg.clip_ratio)
         pg_loss = grpo.aggregate(pg_tok, mb.loss_mask, cfg.loss_agg_mode, normaliser)
         loss = pg_loss
         m = {"actor/pg_loss": pg_loss.detach(),
              "actor/pg_clipfrac": grpo.aggregate(clipped.float(), mb.loss_mask, cfg.loss_agg_mode, normaliser)}
-        if "ref" in logits:
-            ref_logp = self._logprobs(logits["ref"], mb, False)[0]
+        if "ref" in pre:
+            ref_logp = pre["ref"]
             kl = grpo.aggregate(grpo.kl_penalty(logp, ref_logp, cfg.kl_type), mb.loss_mask, cfg.loss_agg_mode,
                                 normaliser)
             m["actor/kl_loss"] = kl.detach()
@@ -227,9 +231,11 @@ class TriModelEngine:
         return loss, num_tokens, m
 
     def _forward_step(self, normaliser: float, data_iterator, chunk):
-        mb = self._check(next(data_iterator))
+        mb, pre = next(data_iterator)
+        mb = self._check(mb)
+        pre = {k: v.to(self.device) for k, v in pre.items()}
         out = chunk(mb.input_ids, mb.position_ids, mb.attention_mask)
-        return out, partial(self._loss, mb, normaliser)
+        return out, partial(self._loss, mb, normaliser, pre)
 
     def _schedule(self, forward_step, micro_batches: Iterator[MicroBatch], num_micro_batches: int,
                   forward_only: bool) -> list:
@@ -240,21 +246,33 @@ class TriModelEngine:
             forward_only=forward_only)
 
     def forward_backward(self, micro_batches: Iterable[MicroBatch], num_micro_batches: int,
-                         use_old: bool = False, normaliser: float = 1.0) -> dict[str, float]:
+                         use_old: bool = False, normaliser: float = 1.0,
+                         precomputed: list[dict[str, torch.Tensor]] | None = None) -> dict[str, float]:
         """Forward + backward of `num_micro_batches` micro-batches drawn from `micro_batches` (an
         iterator may block: the trainer feeds groups as they finish). use_old: take the old
         log-probs from the old model (needed once the policy moved within the batch); otherwise
         the shortcut (old = detached policy) applies. Gradients accumulate until optimizer_step.
         Returns the loss-term sums (SUM_KEYS, over micro-batches and DP ranks; divide by the
         normaliser when micro-batches ran with normaliser 1) and the rollout/trainer probability
-        check `training/rollout_probs_diff_mean` / `_max` (when the policy is the generating one)."""
+        check `training/rollout_probs_diff_mean` / `_max` (when the policy is the generating one).
+
+        precomputed: per micro-batch {'old': logp, 'ref': logp} from earlier forward-only passes
+        (`forward_logprobs`); only the policy then runs here - the usual separate-passes design,
+        kept for comparison (tools/bench_tri_model.py)."""
+        if precomputed is not None:
+            self.chunk.active = ("policy",)
+            self.policy.train()
+            pairs = zip(micro_batches, precomputed)
+            return self._reduce_metrics(self._schedule(partial(self._forward_step, normaliser), pairs,
+                                                       num_micro_batches, False))
         if use_old and self.old is None:
             raise RuntimeError("use_old needs the old-policy model (actor.ppo_epochs > 1 or "
                                "actor.old_logp_shortcut: false)")
         use_old = use_old or (self.old is not None and not self.cfg.old_logp_shortcut)
         self.chunk.active = ("policy",) + (("old",) if use_old else ()) + (("ref",) if self.reference is not None else ())
         self.policy.train()
-        store = self._schedule(partial(self._forward_step, normaliser), iter(micro_batches), num_micro_batches, False)
+        pairs = ((mb, {}) for mb in micro_batches)
+        store = self._schedule(partial(self._forward_step, normaliser), pairs, num_micro_batches, False)
         return self._reduce_metrics(store)
 
     def train_micro_step(self, mb: MicroBatch, normaliser: float, use_old: bool = False) -> dict[str, float]:
@@ -286,13 +304,17 @@ class TriModelEngine:
         return out
 
     @torch.no_grad()
-    def compute_logprobs(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
-        """{'policy', 'old' (when built), 'ref' (when built)}: per-token log-probs shaped like
-        mb.labels, from one tri-model forward (schedule, forward only); every rank gets them."""
+    def forward_logprobs(self, micro_batches: list[MicroBatch], models: tuple[str, ...] | None = None
+                         ) -> list[dict[str, torch.Tensor]]:
+        """Forward-only pass (schedule, no gradients) of `models` (default: every model built) over
+        the micro-batches: per micro-batch {model: per-token log-probs shaped like mb.labels}.
+        Every rank gets them (broadcast from the last pipeline stage)."""
         from megatron.core import parallel_state as ps
-        self.chunk.active = ("policy",) + (("old",) if self.old is not None else ()) + \
-            (("ref",) if self.reference is not None else ())
-        names = self.chunk.active
+        built = ("policy",) + (("old",) if self.old is not None else ()) + (("ref",) if self.reference is not None else ())
+        names = models or built
+        if any(n not in built for n in names) or list(names) != [n for n in MODELS if n in names]:
+            raise ValueError(f"models {names}: allowed a sub-sequence of {built}")
+        self.chunk.active = tuple(names)
 
         def collect(mb, outputs):
             lps = torch.stack([self._logprobs(o, mb, False)[0] for o in outputs])   # [M, B, S]
@@ -301,14 +323,23 @@ class TriModelEngine:
         def step(data_iterator, chunk):
             mb = self._check(next(data_iterator))
             return chunk(mb.input_ids, mb.position_ids, mb.attention_mask), partial(collect, mb)
+        was_training = self.policy.training
         self.policy.eval()
-        store = self._schedule(step, iter([mb]), 1, True)
-        lps = store[0] if store else torch.empty((len(names),) + tuple(mb.labels.shape), device=self.device)
-        if self.pp > 1:
-            group = ps.get_pipeline_model_parallel_group()
-            dist.broadcast(lps, src=dist.get_global_rank(group, self.pp - 1), group=group)
-        self.policy.train()
-        return dict(zip(names, lps.unbind(0)))
+        store = self._schedule(step, iter(micro_batches), len(micro_batches), True)
+        self.policy.train(was_training)
+        out = []
+        for i, mb in enumerate(micro_batches):
+            lps = store[i] if store else torch.empty((len(names),) + tuple(mb.labels.shape), device=self.device)
+            if self.pp > 1:
+                group = ps.get_pipeline_model_parallel_group()
+                dist.broadcast(lps, src=dist.get_global_rank(group, self.pp - 1), group=group)
+            out.append(dict(zip(names, lps.unbind(0))))
+        return out
+
+    def compute_logprobs(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
+        """{'policy', 'old' (when built), 'ref' (when built)} for one micro-batch, from one
+        tri-model forward."""
+        return self.forward_logprobs([mb])[0]
 
     # ------------------------------------------------------------------ update
     def finalize_grads(self, grad_scale: float = 1.0) -> None:
