@@ -175,9 +175,8 @@ class TriModelEngine:
         def nbytes(ps):
             return sum(p.numel() * p.element_size() for p in ps)
         pol = list(self.policy.parameters())
-        out = {"policy": nbytes(pol), "grads": nbytes(pol),
-               "optimizer": sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
-                                for t in s.values() if torch.is_tensor(t) and t.dim() > 0)}
+        # AdamW keeps two moments per parameter in its dtype (allocated at the first step)
+        out = {"policy": nbytes(pol), "grads": nbytes(pol), "optimizer": 2 * nbytes(pol)}
         for name, model in (("old", self.old), ("ref", self.reference)):
             out[name] = 0 if model is None or self.offload else nbytes(model.parameters())
         return out
