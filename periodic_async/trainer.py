@@ -78,11 +78,11 @@ class Trainer:
         self.version = 0
         self.reward = self.source = None
         self.timeline: list[dict] = []
-        layout = None
-        if cfg.trainer.mode != "sync":   # every rank takes part in the TP gathers of the export
-            layout = [(n, tuple(t.shape)) for n, t in self.actor.export_weights()]
+        initial = None
+        if cfg.trainer.mode != "sync":   # every rank takes part in the TP/PP gathers of the export
+            initial = [(n, t.clone() if self.rank == 0 else None) for n, t in self.actor.export_weights()]
         if self.rank == 0:
-            self.source = self._build_source(worker_placements, layout)
+            self.source = self._build_source(worker_placements, initial)
         self.metrics = MetricsLogger(cfg.trainer.run_dir, cfg.trainer.tensorboard, enabled=self.rank == 0)
 
     # ------------------------------------------------------------------ set-up
@@ -99,7 +99,8 @@ class Trainer:
         dist.barrier()
         return path
 
-    def _build_source(self, placements, layout):
+    def _build_source(self, placements, initial):
+        """initial: the policy's HF-layout (name, tensor) pairs (version 0) for the workers."""
         from .reward.manager import RewardManager
         cfg = self.cfg
         self.reward = RewardManager(cfg.reward)
@@ -110,9 +111,14 @@ class Trainer:
             return ColocatedSource(engine, scorer)
         from .rollout.worker import WorkerPool, WorkerSpec
         spec = WorkerSpec(cfg.backend, self.model_dir, self.pad_id, self.eos_id, cfg.rollout.max_slots,
-                          cfg.rollout.arrival_jitter_s)
+                          cfg.rollout.arrival_jitter_s, engine=cfg.rollout.engine,
+                          max_model_len=cfg.rollout.max_model_len, load_format=cfg.rollout.load_format,
+                          kv_cache_gb=cfg.rollout.vllm_kv_cache_gb)
         from .models.mcore import torch_dtype
-        pool = WorkerPool(spec, placements, layout, torch_dtype(cfg.model.dtype), cfg.rollout.worker_timeout_s)
+        layout = [(n, tuple(t.shape)) for n, t in initial]
+        pool = WorkerPool(spec, placements, layout, torch_dtype(cfg.model.dtype), cfg.rollout.worker_timeout_s,
+                          initial_weights=initial)
+        del initial
         return WorkerSource(pool, scorer, cfg.rollout.queue_size, wait_for_batch=cfg.trainer.mode == "sync_split")
 
     def _tokenize_prompt(self, record) -> list[int]:

