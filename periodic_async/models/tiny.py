@@ -40,13 +40,15 @@ def make_tiny_model_dir(cfg: TinyModelConfig, out_dir: str, seed: int) -> str:
 
 
 def make_random_model_dir(out_dir: str, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int,
-                          vocab: int, seed: int = 0, max_positions: int = 4096) -> str:
-    """A random-init Qwen2 checkpoint of any size, without a tokenizer (benchmarks feed token ids)."""
+                          vocab: int, seed: int = 0, max_positions: int = 4096, eos_token_id: int | None = 1) -> str:
+    """A random-init Qwen2 checkpoint of any size, without a tokenizer (benchmarks feed token ids;
+    eos_token_id None: no EOS, so generation lengths are fixed)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
                       rope_parameters={"rope_type": "default", "rope_theta": 1.0e6}, tie_word_embeddings=True,
-                      eos_token_id=1, pad_token_id=0, bos_token_id=None, architectures=["Qwen2ForCausalLM"])
+                      eos_token_id=eos_token_id, pad_token_id=0, bos_token_id=None,
+                      architectures=["Qwen2ForCausalLM"])
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         Qwen2ForCausalLM(cfg).save_pretrained(out_dir)

@@ -55,6 +55,11 @@ class WorkerSpec:
     max_model_len: int | None = None      # vllm: prompt + max_new_tokens limit (None: the model's)
     load_format: str = "auto"             # vllm: "auto" (checkpoint) | "dummy" (random, then a sync)
     kv_cache_gb: float = 1.0              # vllm on cpu: KV-cache size
+    # "shm": workers read the weights from the pool's shared-memory buffer (one node);
+    # "broadcast": the pool sends them over a process group per worker (rollout/weight_sync.py)
+    weight_sync: str = "shm"
+    bucket_bytes: int = 256 << 20         # broadcast sync: bucket size
+    dtype: str = "float32"                # the weights' dtype in the sync
 
 
 Layout = list[tuple[str, tuple[int, ...]]]
@@ -69,6 +74,10 @@ def _views(buf: torch.Tensor, layout: Layout) -> Iterator[tuple[str, torch.Tenso
         offset += n
 
 
+def _dtype(spec: WorkerSpec) -> torch.dtype:
+    return getattr(torch, spec.dtype)
+
+
 def _die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when its parent dies (no orphans even on SIGKILL)."""
     try:
@@ -79,8 +88,8 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker_main(wid: int, spec: WorkerSpec, placement: dict, inbox, outbox, buf: torch.Tensor,
-                 layout: Layout, version: int) -> None:
+def _worker_main(wid: int, spec: WorkerSpec, placement: dict, inbox, outbox, buf: torch.Tensor | None,
+                 layout: Layout, version: int, sync: tuple[str, str] | None = None) -> None:
     """`outbox` is this worker's own pipe to the pool: a worker killed mid-write can only break its
     own channel (a queue shared by all workers would stay locked forever)."""
     _die_with_parent()
@@ -98,12 +107,24 @@ def _worker_main(wid: int, spec: WorkerSpec, placement: dict, inbox, outbox, buf
         else:
             from .hf_engine import HFRolloutEngine
             engine = HFRolloutEngine(spec.model_dir, spec.pad_token_id, spec.eos_token_id, spec.max_slots, device)
-        if version > 0 or spec.load_format == "dummy":
-            engine.update_weights(_views(buf, layout), version)
+        if sync is None:
+            if version > 0 or spec.load_format == "dummy":
+                engine.update_weights(_views(buf, layout), version)
+            outbox.send(("ready", wid, os.getpid(), version))
+        else:
+            # broadcast sync: say ready, join this worker's pair group with the pool (which joins
+            # on "ready"), then receive the current weights if the checkpoint is not them
+            from . import weight_sync
+            outbox.send(("ready", wid, os.getpid(), version))
+            address, key = sync
+            group = weight_sync.pair_group(spec.backend, None, address, key, rank=1)
+            plan = weight_sync.bucket_plan(layout, spec.bucket_bytes, torch.empty((), dtype=_dtype(spec)).element_size())
+            receive = lambda: weight_sync.recv_weights(group, spec.backend, layout, plan, _dtype(spec))  # noqa: E731
+            if version > 0 or spec.load_format == "dummy":
+                engine.update_weights(receive(), version)
     except BaseException as e:  # noqa: BLE001 - reported to the pool, which raises it
         outbox.send(("error", wid, f"worker {wid} failed to start: {type(e).__name__}: {e}"))
         return
-    outbox.send(("ready", wid, os.getpid(), version))
     rng = random.Random(wid * 7919 + version)
     state = {"active": 0, "update": None, "stop": False}
 
@@ -125,7 +146,7 @@ def _worker_main(wid: int, spec: WorkerSpec, placement: dict, inbox, outbox, buf
                 break
         if state["update"] is not None and idle and not new:
             v = state["update"]
-            engine.update_weights(_views(buf, layout), v)
+            engine.update_weights(_views(buf, layout) if sync is None else receive(), v)
             state["update"] = None
             outbox.send(("updated", wid, v))
         if state["stop"] and idle and not new:
@@ -185,6 +206,14 @@ class WorkerPool:
         self._stash: list = []                                # results received while awaiting acks
         if initial_weights is not None:
             self._write_buffer(initial_weights)
+        self._pairs: dict[int, object] = {}                   # broadcast sync: wid -> pair group
+        self._keys: dict[int, str] = {}                       # wid -> its current pair group's name
+        self._spawned = 0
+        self._store = self._sync_address = None
+        if spec.weight_sync == "broadcast":
+            from . import weight_sync
+            self._store, self._sync_address = weight_sync.serve_store()
+            self._plan = weight_sync.bucket_plan(layout, spec.bucket_bytes, self._buf.element_size())
         try:
             for wid in range(len(placements)):
                 self._spawn(wid)
@@ -204,9 +233,15 @@ class WorkerPool:
     def _spawn(self, wid: int) -> None:
         inbox = self._ctx.Queue()
         reader, writer = self._ctx.Pipe(duplex=False)
+        sync = None
+        if self.spec.weight_sync == "broadcast":
+            self._spawned += 1
+            self._keys[wid] = f"worker{wid}-{self._spawned}"     # a fresh pair group per process
+            self._pairs.pop(wid, None)
+            sync = (self._sync_address, self._keys[wid])
         p = self._ctx.Process(target=_worker_main, name=f"rollout-worker-{wid}", daemon=True,
-                              args=(wid, self.spec, self.placements[wid], inbox, writer, self._buf,
-                                    self.layout, self.version))
+                              args=(wid, self.spec, self.placements[wid], inbox, writer,
+                                    self._buf if sync is None else None, self.layout, self.version, sync))
         p.start()
         writer.close()   # the worker holds the only write end: its death shows up as EOF here
         self._workers[wid] = _Handle(p, inbox, reader, pid=p.pid, last_progress=time.monotonic())
@@ -261,9 +296,21 @@ class WorkerPool:
             raise WorkerError(msg[2])
         if msg[0] == "ready":
             self._workers[msg[1]].pid = msg[2]
+            if self.spec.weight_sync == "broadcast":
+                self._pair_with(msg[1])
         elif msg[0] not in ("results", "updated"):
             # e.g. a worker running other code than the trainer (files changed under a running job)
             raise WorkerError(f"unexpected message {msg[0]!r} from rollout worker {msg[1]}")
+
+    def _pair_with(self, wid: int) -> None:
+        """Broadcast sync: join a (re)started worker's pair group and send it the current weights
+        unless it starts from them (the checkpoint at version 0)."""
+        from . import weight_sync
+        group = weight_sync.pair_group(self.spec.backend, self._store, None, self._keys[wid], rank=0,
+                                       timeout_s=self.startup_timeout_s)
+        self._pairs[wid] = group
+        if self.version > 0 or self.spec.load_format == "dummy":
+            weight_sync.send_weights(group, self.spec.backend, self._buf, self._plan)
 
     def _restart(self, wid: int, why: str) -> None:
         h = self._workers[wid]
@@ -358,6 +405,13 @@ class WorkerPool:
         self.version = version
         for h in self._workers:
             h.inbox.put(("update", version))
+        if self.spec.weight_sync == "broadcast":
+            from . import weight_sync
+            for wid in range(self.num_workers):
+                try:
+                    weight_sync.send_weights(self._pairs[wid], self.spec.backend, self._buf, self._plan)
+                except RuntimeError as e:   # the worker died: its restart receives version `version`
+                    self._restart(wid, f"failed during the weight broadcast ({e})")
         self._await("updated", set(range(self.num_workers)), self.startup_timeout_s, version=version)
 
     def _write_buffer(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
