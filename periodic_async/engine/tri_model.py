@@ -54,7 +54,8 @@ class TriModelChunk(torch.nn.Module):
     [S, B, H] activations concatenated along the batch dimension, policy first, so the schedule
     and its p2p sends stay Megatron's own. The frozen models run under no_grad on detached
     slices, so the backward goes through the policy only (the frozen slices of the gradient
-    coming back are zeros). On the last stage the output is the list of the models' logits."""
+    coming back are zeros). On the last stage the output is the policy's logits followed by the
+    frozen models' per-token log-probs (`frozen_logprobs`)."""
 
     def __init__(self, policy, old, ref, frozen_residency):
         super().__init__()
@@ -64,6 +65,9 @@ class TriModelChunk(torch.nn.Module):
         self.active: tuple[str, ...] = ("policy",)
         self._resident = frozen_residency      # context manager: a frozen model's weights on the device
         self._input: torch.Tensor | None = None
+        # last stage: logits -> per-token log-probs of the current micro-batch, applied to each
+        # frozen model's logits right away, so at most one frozen [B, S, V/TP] tensor is alive
+        self.frozen_logprobs = None
 
     def set_input_tensor(self, input_tensor) -> None:
         if isinstance(input_tensor, list):
@@ -83,9 +87,12 @@ class TriModelChunk(torch.nn.Module):
             with torch.no_grad(), self._resident(model):
                 dtype = model.config.params_dtype
                 model.set_input_tensor(None if x is None else x.detach().to(dtype))
-                outs.append(model(input_ids, position_ids, attention_mask))
+                out = model(input_ids, position_ids, attention_mask)
+                if self.post_process:
+                    out = self.frozen_logprobs(out)                   # [B, S] (or [N, L])
+                outs.append(out)
         if self.post_process:
-            return outs                                               # m x [B, S, V/TP]
+            return outs                    # policy logits [B, S, V/TP], then frozen log-probs
         return torch.cat([o.to(outs[0].dtype) for o in outs], dim=1)  # [S, m*B, H]
 
 
@@ -195,14 +202,14 @@ class TriModelEngine:
         return mb.to(self.device)
 
     def _loss(self, mb: MicroBatch, normaliser: float, pre: dict, outputs: list[torch.Tensor]):
-        """Last stage: the GRPO loss of one micro-batch from the active models' logits (or the
-        log-probs in `pre` for models not run here: the separate-passes design)."""
+        """Last stage: the GRPO loss of one micro-batch from the policy's logits and the frozen
+        models' log-probs (run here, or given in `pre`: the separate-passes design)."""
         cfg = self.cfg
-        logits = dict(zip(self.chunk.active, outputs))
-        logp, entropy = self._logprobs(logits["policy"], mb, with_entropy=True)            # [B, S]
+        outs = dict(zip(self.chunk.active, outputs))   # policy: logits; frozen: log-probs (the chunk)
+        logp, entropy = self._logprobs(outs["policy"], mb, with_entropy=True)              # [B, S]
         for name in ("old", "ref"):
-            if name in logits:
-                pre[name] = self._logprobs(logits[name], mb, False)[0]
+            if name in outs:
+                pre[name] = outs[name]
         old_logp = pre["old"] if "old" in pre else logp.detach()
         pg_tok, clipped = grpo.clipped_pg_loss(logp, old_logp, mb.advantages, cfg.clip_ratio)
         pg_loss = grpo.aggregate(pg_tok, mb.loss_mask, cfg.loss_agg_mode, normaliser)
@@ -233,6 +240,7 @@ class TriModelEngine:
         mb, pre = next(data_iterator)
         mb = self._check(mb)
         pre = {k: v.to(self.device) for k, v in pre.items()}
+        chunk.frozen_logprobs = lambda logits: self._logprobs(logits, mb, False)[0]
         out = chunk(mb.input_ids, mb.position_ids, mb.attention_mask)
         return out, partial(self._loss, mb, normaliser, pre)
 
@@ -316,11 +324,13 @@ class TriModelEngine:
         self.chunk.active = tuple(names)
 
         def collect(mb, outputs):
-            lps = torch.stack([self._logprobs(o, mb, False)[0] for o in outputs])   # [M, B, S]
+            lps = torch.stack([self._logprobs(o, mb, False)[0] if name == "policy" else o
+                               for name, o in zip(names, outputs)])                 # [M, B, S]
             return torch.zeros(()), torch.tensor(0, dtype=torch.int), lps
 
         def step(data_iterator, chunk):
             mb = self._check(next(data_iterator))
+            chunk.frozen_logprobs = lambda logits: self._logprobs(logits, mb, False)[0]
             return chunk(mb.input_ids, mb.position_ids, mb.attention_mask), partial(collect, mb)
         was_training = self.policy.training
         self.policy.eval()
