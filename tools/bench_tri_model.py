@@ -13,7 +13,9 @@ old and reference and times, alternating between them (median of --repeats):
   a reference forward-only pass, storing log-probs, then the policy's training pass using them.
 All three compute the same loss (tests/test_tri_model.py asserts it). Memory: model-state bytes
 per option (fp32 / bf16 frozen models / frozen offloaded) from the engine, and the peak growth
-of the process's resident memory during each variant (cpu; max_memory_allocated on a GPU).
+of the process's resident memory during each variant, in a second run where glibc maps every
+allocation >= 64 KiB separately and returns it when freed, so the resident set follows the live
+tensors (cpu; max_memory_allocated on a GPU).
 """
 from __future__ import annotations
 
@@ -157,17 +159,28 @@ def drive(args) -> list[dict]:
     tmp = tempfile.mkdtemp(prefix="bench_tri_")
     for model in args.models.split(","):
         for tp in (int(t) for t in args.tps.split(",")):
-            me = [os.path.abspath(__file__), "--worker", "--model", model, "--tmp", tmp, "--repeats",
-                  str(args.repeats), "--backend", args.backend]
-            cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(tp)] + me
-                   if tp > 1 else [sys.executable] + me)
-            print(f"[bench_tri_model] {model} TP={tp} ...", file=sys.stderr, flush=True)
-            env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // tp)))
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("{")), None)
-            if proc.returncode or line is None:
-                raise SystemExit(f"worker failed ({' '.join(cmd)}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-            row = json.loads(line)
+            row = None
+            for measure in ("time", "memory"):
+                me = [os.path.abspath(__file__), "--worker", "--model", model, "--tmp", tmp, "--repeats",
+                      str(args.repeats if measure == "time" else 1), "--backend", args.backend]
+                cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(tp)]
+                       + me if tp > 1 else [sys.executable] + me)
+                print(f"[bench_tri_model] {model} TP={tp} ({measure}) ...", file=sys.stderr, flush=True)
+                env = dict(os.environ, PYTHONWARNINGS="ignore",
+                           OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // tp)))
+                if measure == "memory":
+                    # glibc: every allocation >= 64 KiB is its own mmap, returned to the OS when freed,
+                    # so the resident set follows the live tensors (timings of this run are not used)
+                    env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("{")), None)
+                if proc.returncode or line is None:
+                    raise SystemExit(f"worker failed ({' '.join(cmd)}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+                got = json.loads(line)
+                if row is None:
+                    row = got
+                else:
+                    row["peak_bytes"] = got["peak_bytes"]
             rows.append(row)
             print(format_row(row), flush=True)
     return rows
@@ -197,7 +210,8 @@ def write_docs(path: str, command: str, rows: list[dict], env: str) -> None:
              "reference forwards and the loss in each micro-step; `+ shortcut`: old forward skipped (old == "
              "policy); `three passes`: old and reference forward-only passes storing log-probs, then the "
              "policy's training pass (the usual design). `peak MiB`: growth of resident memory during the "
-             "variant (cpu; device peak on a GPU). `state MiB`: policy weights + grads + Adam moments + "
+             "variant, measured in a separate run with MALLOC_MMAP_THRESHOLD_=65536 so that freed tensors leave "
+             "the resident set (cpu; device peak on a GPU). `state MiB`: policy weights + grads + Adam moments + "
              "resident frozen weights on this rank.", "",
              "Models (Qwen2 layout, random init): " + "; ".join(
                  f"{n}: hidden {h}, {layers} layers, {a} heads / {kv} KV, ffn {f}, vocab {v}; batch {g} x {k}, "
