@@ -257,3 +257,23 @@ def tri_model_quantities(model_dir: str, ref_dir: str | None = None, shared_prom
     out["epoch2"] = eng.forward_backward(iter(mine), len(mine), use_old=True, normaliser=normaliser)
     out["weights_after"] = {n: t.clone() for n, t in eng.export_weights()}
     return out
+
+
+# ---------------------------------------------------------------------- fault injection
+
+
+def kill_worker_hook(killed: dict, at_version: int, worker: int = 0):
+    """A Trainer hook that SIGKILLs rollout worker `worker` once, in the step trained at policy
+    version `at_version`, right after the first complete group is scored (the worker still has
+    work). `killed` receives the pid."""
+    def hook(trainer):
+        source = trainer.source
+        score = source.scorer.score
+
+        def killing_score(groups, stats):
+            if trainer.version == at_version and not killed:
+                killed["pid"] = source.pool.pids()[worker]
+                source.pool.kill_worker(worker)
+            return score(groups, stats)
+        source.scorer.score = killing_score
+    return hook

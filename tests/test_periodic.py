@@ -18,6 +18,8 @@ from periodic_async.config import load_config
 from periodic_async.metrics import read_metrics
 from periodic_async.trainer import Trainer
 
+from helpers import kill_worker_hook
+
 STEPS = 3
 LOSS_KEYS = ["actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "critic/score/mean"]
 
@@ -89,19 +91,7 @@ def test_sync_split_equals_sync(sync_run, tmp_path):
 
 def test_worker_killed_mid_batch_is_restarted_and_nothing_is_lost(sync_run, tmp_path):
     killed = {}
-
-    def hook(trainer):
-        source = trainer.source
-        score = source.scorer.score
-
-        def killing_score(groups, stats):
-            # in step 2, after the first complete group: kill worker 0 while it still has work
-            if trainer.version == 1 and not killed:
-                killed["pid"] = source.pool.pids()[0]
-                source.pool.kill_worker(0)
-            return score(groups, stats)
-        source.scorer.score = killing_score
-
+    hook = kill_worker_hook(killed, at_version=1, worker=0)   # step 2
     trainer, history, params = _run(tmp_path, "periodic", "rollout.num_workers=2", "rollout.max_slots=3",
                                     "rollout.arrival_jitter_s=0.02", "rollout.worker_timeout_s=30", hook=hook)
     assert killed, "the hook never ran"
@@ -184,18 +174,11 @@ def test_broadcast_weight_sync_with_a_killed_worker_equals_sync(sync_run, tmp_pa
     path, here on one node over gloo): same training as sync, also when a worker is SIGKILLed
     mid-batch (its replacement pairs with the pool and receives the current weights)."""
     killed = {}
+    kill = kill_worker_hook(killed, at_version=2, worker=1)   # step 3: the replacement needs version 2
 
     def hook(trainer):
-        source = trainer.source
-        assert source.pool._buf is not None and source.pool._sync_address
-        score = source.scorer.score
-
-        def killing_score(groups, stats):
-            if trainer.version == 2 and not killed:    # step 3: the replacement needs version 2
-                killed["pid"] = source.pool.pids()[1]
-                source.pool.kill_worker(1)
-            return score(groups, stats)
-        source.scorer.score = killing_score
+        assert trainer.source.pool._sync_address      # the broadcast path is the one in use
+        kill(trainer)
 
     trainer, history, params = _run(tmp_path, "periodic", "rollout.num_workers=2", "rollout.max_slots=3",
                                     "rollout.weight_sync=broadcast", "actor.export_bucket_mb=0.01",

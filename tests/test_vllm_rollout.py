@@ -17,6 +17,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (./run.sh install vllm
 from periodic_async.config import ConfigError, load_config  # noqa: E402
 from periodic_async.trainer import Trainer  # noqa: E402
 
+from helpers import kill_worker_hook  # noqa: E402
+
 STEPS = 3
 KEYS = ["actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "critic/score/mean"]
 # Rollout (vLLM CPU kernels, fp32) vs trainer (Megatron, fp32) probability of the same token:
@@ -58,18 +60,7 @@ def test_vllm_workers_train_with_in_place_weight_sync(plain_run):
 
 def test_dummy_weights_and_a_killed_worker_train_the_same(plain_run, tmp_path):
     killed = {}
-
-    def hook(trainer):
-        source = trainer.source
-        score = source.scorer.score
-
-        def killing_score(groups, stats):
-            if trainer.version == 1 and not killed:    # step 2, after the first complete group
-                killed["pid"] = source.pool.pids()[0]
-                source.pool.kill_worker(0)
-            return score(groups, stats)
-        source.scorer.score = killing_score
-
+    hook = kill_worker_hook(killed, at_version=1)     # step 2, after the first complete group
     history = _run(tmp_path, "rollout.load_format=dummy", "rollout.max_slots=3", "rollout.worker_timeout_s=60",
                    hook=hook)
     assert killed, "the hook never ran"
