@@ -78,11 +78,14 @@ class Trainer:
         self.version = 0
         self.reward = self.source = None
         self.timeline: list[dict] = []
-        initial = None
-        if cfg.trainer.mode != "sync":   # every rank takes part in the TP/PP gathers of the export
-            initial = [(n, t.clone() if self.rank == 0 else None) for n, t in self.actor.export_weights()]
+        # the workers' version 0: the policy's export, streamed into the pool's buffer on rank 0;
+        # every rank takes part in the TP/PP gathers of the export
+        initial = self.actor.export_weights() if cfg.trainer.mode != "sync" else None
         if self.rank == 0:
             self.source = self._build_source(worker_placements, initial)
+        elif initial is not None:
+            for _ in initial:
+                pass
         self.metrics = MetricsLogger(cfg.trainer.run_dir, cfg.trainer.tensorboard, enabled=self.rank == 0)
 
     # ------------------------------------------------------------------ set-up
@@ -100,7 +103,8 @@ class Trainer:
         return path
 
     def _build_source(self, placements, initial):
-        """initial: the policy's HF-layout (name, tensor) pairs (version 0) for the workers."""
+        """initial: the policy's HF-layout (name, tensor) stream (version 0) for the workers; the
+        pool consumes it whole before it starts them."""
         from .reward.manager import RewardManager
         cfg = self.cfg
         self.reward = RewardManager(cfg.reward)
@@ -115,11 +119,10 @@ class Trainer:
                           max_model_len=cfg.rollout.max_model_len, load_format=cfg.rollout.load_format,
                           kv_cache_gb=cfg.rollout.vllm_kv_cache_gb, weight_sync=cfg.rollout.weight_sync,
                           bucket_bytes=int(cfg.actor.export_bucket_mb * (1 << 20)), dtype=cfg.model.dtype)
+        from .models.convert import hf_layout
         from .models.mcore import torch_dtype
-        layout = [(n, tuple(t.shape)) for n, t in initial]
-        pool = WorkerPool(spec, placements, layout, torch_dtype(cfg.model.dtype), cfg.rollout.worker_timeout_s,
-                          initial_weights=initial)
-        del initial
+        pool = WorkerPool(spec, placements, hf_layout(self.spec), torch_dtype(cfg.model.dtype),
+                          cfg.rollout.worker_timeout_s, initial_weights=initial)
         return WorkerSource(pool, scorer, cfg.rollout.queue_size, wait_for_batch=cfg.trainer.mode == "sync_split")
 
     def _tokenize_prompt(self, record) -> list[int]:

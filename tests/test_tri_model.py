@@ -272,7 +272,8 @@ def test_offload_and_bf16_frozen_models(model_dirs, megatron_tp1):
 def test_export_buckets_bound_collectives_and_memory(model_dirs, megatron_tp1):
     """Bucketing plan: consecutive tensors of one stage, each bucket <= the bound (a bigger tensor
     alone), all tensors exactly once; exported values do not depend on the bucket size."""
-    from periodic_async.models.convert import _BucketedGather, export_hf_weights, export_order, mcore_full_shape
+    from periodic_async.models.convert import (_BucketedGather, export_hf_weights, export_order, hf_layout,
+                                               mcore_full_shape)
     from periodic_async.models.mcore import spec_from_hf_dir
     eng = _engine(model_dirs)
     spec = eng.spec
@@ -288,6 +289,7 @@ def test_export_buckets_bound_collectives_and_memory(model_dirs, megatron_tp1):
     big = dict(export_hf_weights(eng.policy, spec, 1 << 30))
     assert sorted(small) == sorted(big)
     assert all(torch.equal(small[n], big[n]) for n in small)
+    assert hf_layout(spec) == [(n, tuple(t.shape)) for n, t in big.items()]   # the layout, from shapes only
 
 
 # ---------------------------------------------------------------------- the trainer under torchrun

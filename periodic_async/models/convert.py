@@ -241,17 +241,26 @@ def mcore_full_shape(name: str, spec: ModelSpec) -> tuple[int, ...]:
     raise KeyError(f"unknown Megatron parameter {name}")
 
 
-def export_order(spec: ModelSpec) -> list[str]:
-    """Global Megatron parameter names in the order `mcore_to_hf_full` asks for them (found by
-    running it on shape-only meta tensors, so the order has one definition)."""
+def _shape_only_export(spec: ModelSpec) -> tuple[list[str], list[tuple[str, tuple[int, ...]]]]:
+    """Run `mcore_to_hf_full` on shape-only meta tensors: (the Megatron names in the order it asks
+    for them, the HF (name, shape) pairs it yields). No data is touched."""
     order: list[str] = []
 
     def record(name: str) -> torch.Tensor:
         order.append(name)
         return torch.empty(mcore_full_shape(name, spec), device="meta")
-    for _ in mcore_to_hf_full(record, spec):
-        pass
-    return order
+    layout = [(n, tuple(t.shape)) for n, t in mcore_to_hf_full(record, spec)]
+    return order, layout
+
+
+def export_order(spec: ModelSpec) -> list[str]:
+    """Global Megatron parameter names in the order `mcore_to_hf_full` asks for them."""
+    return _shape_only_export(spec)[0]
+
+
+def hf_layout(spec: ModelSpec) -> list[tuple[str, tuple[int, ...]]]:
+    """The (name, shape) pairs `export_hf_weights` yields, without exporting anything."""
+    return _shape_only_export(spec)[1]
 
 
 def owner_stage(name: str, spec: ModelSpec, pp: int) -> tuple[int, str]:
