@@ -1,1 +1,1 @@
-"""Custom kernels (shared-prompt attention arrives with its own issue)."""
+"""Custom kernels: shared_prompt/ (one prompt and its K responses as one sequence, exact attention)."""

@@ -41,18 +41,18 @@ def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError, load_config
     overrides = list(args.overrides) + ([f"backend={args.backend}"] if args.backend else [])
     try:
-        cfg = load_config(args.config, overrides)
-        cfg.validate()
+        cfg = load_config(args.config, overrides)   # validated by the Trainer, against the model
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     # SIGTERM unwinds like Ctrl-C, so that every `finally` runs and the rollout workers and reward
     # processes are stopped and joined (no orphans).
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    from .trainer import Trainer
+    from .models.mcore import UnsupportedModel
+    from .train.trainer import Trainer
     try:
         trainer = Trainer(cfg)
-    except (ConfigError, BackendUnavailable) as e:
+    except (ConfigError, BackendUnavailable, UnsupportedModel) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:

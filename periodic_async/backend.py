@@ -4,8 +4,9 @@ A `Backend` is chosen by name (`cpu`, `cuda`, `npu`) and owns:
 - the torch device and the process-group backend (gloo / nccl / hccl),
 - the Megatron-core set-up that differs per device (the CPU shims, MindSpeed's NPU adaptor,
   the model-parallel RNG tracker),
-- the attention implementation name used by kernels and by the HF rollout engine,
-- the default rollout engine for the device.
+- the attention implementation name used by the shared-prompt kernels,
+- where trainer ranks and rollout workers run (placements, a worker's visible devices),
+- host buffers (pinned on accelerators) and the stateless pair groups of the weight sync.
 
 Asking for `npu` or `cuda` where it is not available raises `BackendUnavailable` with one line
 saying what is missing and how to install it.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -30,13 +32,22 @@ class Backend:
     name: str                 # cpu | cuda | npu
     dist_backend: str         # gloo | nccl | hccl
     attention_impl: str       # sdpa (cpu) | flex (cuda) | npu_fusion (npu)
-    rollout_engine: str       # the default inference engine on this device
 
     # ------------------------------------------------------------------ device
     def device(self, local_rank: int = 0) -> torch.device:
         if self.name == "cpu":
             return torch.device("cpu")
         return torch.device(self.name, local_rank)
+
+    def current_device(self) -> torch.device:
+        """The device this process computes on (after set_device / enter_placement)."""
+        if self.name == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.name, getattr(torch, self.name).current_device())
+
+    def host_buffer(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """An empty host tensor for device copies: pinned on accelerators (async, DMA-able)."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self.name != "cpu")
 
     def set_device(self, local_rank: int) -> None:
         if self.name == "cuda":
@@ -123,6 +134,13 @@ class Backend:
             return dev
         return torch.device("cpu")
 
+    def trainer_device(self, placement: dict, local_rank: int, local_world: int) -> torch.device:
+        """The device of a trainer rank: on cpu the node's trainer cores (shared by its
+        `local_world` ranks), on accelerators the device of its local rank."""
+        if self.name == "cpu":
+            return self.enter_placement(placement, local_world)
+        return self.device(local_rank)
+
     # ------------------------------------------------------------------ distributed
     def init_distributed(self) -> tuple[int, int, int]:
         """Join (or create) the default process group. Returns (rank, world_size, local_rank).
@@ -153,6 +171,20 @@ class Backend:
         self.manual_seed(seed)
 
 
+    def pair_group(self, store: "dist.Store", rank: int, size: int, timeout_s: float):
+        """A process group of `size` members on `store` alone (never the default group, so it
+        touches neither Megatron's groups nor vLLM's): gloo / NCCL / HCCL by device."""
+        timeout = timedelta(seconds=timeout_s)
+        if self.name == "cpu":
+            return dist.ProcessGroupGloo(store, rank, size, timeout)
+        if self.name == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            return dist.ProcessGroupNCCL(store, rank, size, opts)
+        import torch_npu  # noqa: F401
+        return torch_npu._C._distributed_c10d.ProcessGroupHCCL(store, rank, size, timeout)  # type: ignore[attr-defined]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -166,10 +198,11 @@ _CPU_SHIM_APPLIED = False
 
 def _apply_cpu_megatron_shims() -> None:
     """Megatron-core assumes CUDA. On CPU, map the CUDA calls it makes onto the CPU device - the
-    same idea as torch_npu's `transfer_to_npu` on Ascend (see ../shared/platform-notes.md):
+    same idea as torch_npu's `transfer_to_npu` on Ascend:
     - `torch.cuda.current_device()` is passed as a `device=` in ~580 places: return "cpu";
     - `torch.cuda.synchronize()` (pipeline p2p) becomes a no-op;
-    - `Tensor.cuda()` returns the tensor itself; the schedules' `torch.zeros(device="cuda")` are made on CPU.
+    - `Tensor.cuda()` returns the tensor itself; `torch.zeros(device="cuda")` and the like in the
+      pipeline schedules and the gradient-norm code (optimizer/clip_grads, utils) are made on CPU.
     Applied once, idempotent, only for the cpu backend."""
     global _CPU_SHIM_APPLIED
     if _CPU_SHIM_APPLIED:
@@ -182,8 +215,11 @@ def _apply_cpu_megatron_shims() -> None:
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[assignment]
     # The pipeline schedules count tokens in `torch.zeros(..., device="cuda")`: give that module
     # a torch whose factory functions map "cuda" to the CPU (nothing else changes).
+    import megatron.core.utils as mcore_utils
+    from megatron.core.optimizer import clip_grads
     from megatron.core.pipeline_parallel import schedules
-    schedules.torch = _CpuDeviceTorch()
+    for module in (schedules, clip_grads, mcore_utils):
+        module.torch = _CpuDeviceTorch()
     _CPU_SHIM_APPLIED = True
 
 
@@ -243,9 +279,9 @@ def _setup_npu() -> None:
 
 
 _BACKENDS = {
-    "cpu": Backend("cpu", "gloo", attention_impl="sdpa", rollout_engine="hf"),
-    "cuda": Backend("cuda", "nccl", attention_impl="flex", rollout_engine="hf"),
-    "npu": Backend("npu", "hccl", attention_impl="npu_fusion", rollout_engine="hf"),
+    "cpu": Backend("cpu", "gloo", attention_impl="sdpa"),
+    "cuda": Backend("cuda", "nccl", attention_impl="flex"),
+    "npu": Backend("npu", "hccl", attention_impl="npu_fusion"),
 }
 
 _ACTIVE: Optional[Backend] = None

@@ -35,7 +35,7 @@ def main() -> None:
 
     from megatron.core import parallel_state as ps
     import test_shared_prompt as t
-    from periodic_async.engine.batch import pack_shared, pack_unshared
+    from periodic_async.actor.packing import pack_shared, pack_unshared
 
     groups = t.make_groups(t.CASES["k8_mixed_several_groups"], seed=11)
     samples = [s for g in groups for s in g]

@@ -87,14 +87,14 @@ def fixed_input_ids(vocab: int, shape=LOGITS_SHAPE, seed: int = 123) -> torch.Te
 
 def megatron_inputs(input_ids: torch.Tensor):
     """(position_ids [B, S], attention_mask [1, 1, S, S] bool, True = masked) for a causal forward."""
-    from periodic_async.engine.batch import causal_mask
+    from periodic_async.actor.packing import causal_mask
     b, s = input_ids.shape
     return torch.arange(s)[None].expand(b, -1).contiguous(), causal_mask(s)
 
 
 def fixed_samples():
     """Three sequences of different prompt/response lengths with non-trivial advantages."""
-    from periodic_async.engine.batch import TrainSample
+    from periodic_async.actor.packing import TrainSample
     return [
         TrainSample([5, 6, 7, 8], [9, 10, 11, 12, 1], 1.3),
         TrainSample([3, 4, 5, 6, 7, 8], [20, 21], -0.7),
@@ -103,7 +103,7 @@ def fixed_samples():
 
 
 def fixed_micro_batch(pad_token_id: int = 0):
-    from periodic_async.engine.batch import pack_unshared
+    from periodic_async.actor.packing import pack_unshared
     return pack_unshared(fixed_samples(), pad_token_id)
 
 
@@ -131,14 +131,14 @@ def tp_parity_quantities(model_dir: str, ref_dir: str | None = None) -> dict:
     """Everything the TP-parity test compares, computed on the CURRENT process group and Megatron
     parallel state (call Backend.init_model_parallel(tp, 1, seed) first); every TP rank must call it.
 
-    Builds an TriModelEngine (policy + reference) from `model_dir`; when `ref_dir` is given the reference is
+    Builds an TriModelActor (policy + reference) from `model_dir`; when `ref_dir` is given the reference is
     re-loaded from it so the KL term and its gradient are non-zero. Returns a dict of CPU tensors /
     floats, identical on every rank:
       weights:        HF-layout export of the policy (must equal the source checkpoint exactly)
       logits:         policy logits [B, S, V] on fixed_input_ids, gathered over TP
       logits_mc:      the same via megatron's gather_from_tensor_model_parallel_region
       logp, entropy:  vocab-parallel logprobs_entropy (temperature TEMPERATURE) on those logits
-      metrics:        TriModelEngine.train_micro_step on fixed_micro_batch + actor/grad_norm (global_grad_norm)
+      metrics:        TriModelActor.train_micro_step on fixed_micro_batch + actor/grad_norm (global_grad_norm)
       grads:          FULL policy gradients in HF layout
       replicated_grad_max_diff: max |grad_rank0 - grad_rank_r| over non-sharded parameters
     """
@@ -146,20 +146,20 @@ def tp_parity_quantities(model_dir: str, ref_dir: str | None = None) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-    from periodic_async.engine.tri_model import TriModelEngine
-    from periodic_async.engine.logprobs import logprobs_entropy
+    from periodic_async.actor.tri_model import TriModelActor
+    from periodic_async.actor.logprobs import logprobs_entropy
     from periodic_async.models.convert import (_tp_shard_dim, export_hf_weights, gather_tp,
                                                load_hf_checkpoint, mcore_to_hf_full)
-    from periodic_async.models.mcore import spec_from_hf_dir
+    from periodic_async.models.mcore import arch_from_hf_dir
 
-    spec = spec_from_hf_dir(model_dir)
-    actor = TriModelEngine(actor_config(), spec, model_dir, temperature=TEMPERATURE, with_reference=True)
+    arch = arch_from_hf_dir(model_dir)
+    actor = TriModelActor(actor_config(), arch, model_dir, temperature=TEMPERATURE, with_reference=True)
     if ref_dir is not None:
-        load_hf_checkpoint(actor.reference, spec, ref_dir)
+        load_hf_checkpoint(actor.reference, arch, ref_dir)
     out: dict = {"tp": ps.get_tensor_model_parallel_world_size()}
-    out["weights"] = {n: t.clone() for n, t in export_hf_weights(actor.policy, spec)}
+    out["weights"] = {n: t.clone() for n, t in export_hf_weights(actor.policy, arch)}
 
-    ids = fixed_input_ids(spec.vocab_size)
+    ids = fixed_input_ids(arch.vocab_size)
     pos, mask = megatron_inputs(ids)
     labels = torch.roll(ids, -1, dims=1)
     with torch.no_grad():
@@ -175,9 +175,9 @@ def tp_parity_quantities(model_dir: str, ref_dir: str | None = None) -> dict:
     missing = [n for n, p in params.items() if p.requires_grad and p.grad is None]
     if missing:
         raise RuntimeError(f"no gradient for {missing}")
-    metrics["actor/grad_norm"] = TriModelEngine.global_grad_norm(trainable)
+    metrics["actor/grad_norm"] = TriModelActor.global_grad_norm(trainable)
     out["metrics"] = metrics
-    out["grads"] = {n: t.clone() for n, t in mcore_to_hf_full(lambda n: gather_tp(n, params[n].grad), spec)}
+    out["grads"] = {n: t.clone() for n, t in mcore_to_hf_full(lambda n: gather_tp(n, params[n].grad), arch)}
 
     # replicated parameters (norms) must get the same gradient on every TP rank
     diff = 0.0
@@ -205,7 +205,7 @@ TRI_GROUPS = [
 
 def tri_groups():
     """TRI_GROUPS as lists of TrainSample (rollout log-probs included, from a fixed formula)."""
-    from periodic_async.engine.batch import TrainSample
+    from periodic_async.actor.packing import TrainSample
     return [[TrainSample(prompt, resp, adv, [-0.5 - 0.01 * j for j in range(len(resp))])
              for resp, adv in zip(responses, advs)] for prompt, responses, advs in TRI_GROUPS]
 
@@ -231,16 +231,16 @@ def tri_model_quantities(model_dir: str, ref_dir: str | None = None, shared_prom
       weights_after: the policy after the step
     """
     from megatron.core import parallel_state as ps
-    from periodic_async.engine.batch import pack_micro_batch
-    from periodic_async.engine.tri_model import TriModelEngine
+    from periodic_async.actor.packing import pack_micro_batch
+    from periodic_async.actor.tri_model import TriModelActor
     from periodic_async.models.convert import export_hf_weights, load_hf_checkpoint
-    from periodic_async.models.mcore import spec_from_hf_dir
+    from periodic_async.models.mcore import arch_from_hf_dir
 
-    spec = spec_from_hf_dir(model_dir)
-    eng = TriModelEngine(tri_model_config(shared_prompt), spec, model_dir, temperature=TEMPERATURE,
+    arch = arch_from_hf_dir(model_dir)
+    eng = TriModelActor(tri_model_config(shared_prompt), arch, model_dir, temperature=TEMPERATURE,
                          with_reference=True, attention_impl="sdpa" if shared_prompt else None)
     if ref_dir is not None:
-        load_hf_checkpoint(eng.reference, spec, ref_dir)
+        load_hf_checkpoint(eng.reference, arch, ref_dir)
     out: dict = {"layout": (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
                             ps.get_data_parallel_world_size())}
     out["weights"] = {n: t.clone() for n, t in eng.export_weights()}
@@ -252,7 +252,7 @@ def tri_model_quantities(model_dir: str, ref_dir: str | None = None, shared_prom
     eng.refresh_old()
     out["epoch1"] = eng.forward_backward(iter(mine), len(mine), normaliser=normaliser)
     eng.finalize_grads()
-    out["grads"] = {n: t.clone() for n, t in export_hf_weights(eng.policy, spec, 1 << 14, select=lambda p: p.grad)}
+    out["grads"] = {n: t.clone() for n, t in export_hf_weights(eng.policy, arch, 1 << 14, select=lambda p: p.grad)}
     out["grad_norm"] = eng.step_finalized()["actor/grad_norm"]
     out["epoch2"] = eng.forward_backward(iter(mine), len(mine), use_old=True, normaliser=normaliser)
     out["weights_after"] = {n: t.clone() for n, t in eng.export_weights()}
@@ -267,13 +267,34 @@ def kill_worker_hook(killed: dict, at_version: int, worker: int = 0):
     version `at_version`, right after the first complete group is scored (the worker still has
     work). `killed` receives the pid."""
     def hook(trainer):
-        source = trainer.source
-        score = source.scorer.score
+        producer = trainer.producer
+        score = producer.scorer.score
 
         def killing_score(groups, stats):
             if trainer.version == at_version and not killed:
-                killed["pid"] = source.pool.pids()[worker]
-                source.pool.kill_worker(worker)
+                killed["pid"] = producer.pool.pids()[worker]
+                producer.pool.kill_worker(worker)
             return score(groups, stats)
-        source.scorer.score = killing_score
+        producer.scorer.score = killing_score
+    return hook
+
+
+# ---------------------------------------------------------------------- variable group sizes
+
+
+class CyclingGroupSize:
+    """A group sizer (scheduling/group_sizing.py) giving prompt i of every batch K = sizes[i % len]."""
+
+    def __init__(self, sizes):
+        self.sizes = tuple(sizes)
+
+    def group_size(self, step: int, group_index: int) -> int:
+        return self.sizes[group_index % len(self.sizes)]
+
+
+def mixed_k_hook(sizes=(2, 4, 8)):
+    """A Trainer hook: the batch's groups get K = 2, 4, 8, 2, 4, 8, ... (rank 0 plans)."""
+    def hook(trainer):
+        if trainer.planner is not None:
+            trainer.planner.group_sizer = CyclingGroupSize(sizes)
     return hook

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from periodic_async.config import load_config
-from periodic_async.metrics import read_metrics
-from periodic_async.trainer import Trainer
+from periodic_async.telemetry.logger import read_metrics
+from periodic_async.train.trainer import Trainer
 
 REQUIRED = ["actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "critic/score/mean",
             "response_length/mean", "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights",
@@ -26,7 +26,7 @@ def _cfg(tmp_path, *extra):
 
 def test_short_run_changes_policy_not_reference(tmp_path):
     trainer = Trainer(_cfg(tmp_path))
-    trainer_engine = trainer.source.engine
+    trainer_engine = trainer.producer.engine
     policy0 = {n: p.detach().clone() for n, p in trainer.actor.policy.named_parameters()}
     ref0 = {n: p.detach().clone() for n, p in trainer.actor.reference.named_parameters()}
     history = trainer.fit()

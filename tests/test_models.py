@@ -13,7 +13,7 @@ from safetensors import safe_open
 from helpers import fixed_input_ids, load_hf_model, make_hf_model_dir, megatron_inputs
 from periodic_async.models.convert import (SafetensorsReader, export_hf_weights, fuse_qkv, load_hf_checkpoint,
                                            save_hf_checkpoint, split_qkv)
-from periodic_async.models.mcore import ModelSpec, UnsupportedModel, build_gpt_model, spec_from_hf_dict, spec_from_hf_dir
+from periodic_async.models.mcore import ModelArch, UnsupportedModel, build_gpt_model, arch_from_hf_dict, arch_from_hf_dir
 
 # qwen2: tied embeddings, QKV bias; llama: untied lm_head, no bias. Both GQA (4 heads, 2 kv heads).
 ARCHS = {
@@ -34,10 +34,10 @@ def _source_tensors(path: str) -> dict[str, torch.Tensor]:
 
 
 def _mcore_model(path: str):
-    spec = spec_from_hf_dir(path)
-    model = build_gpt_model(spec)
-    load_hf_checkpoint(model, spec, path)
-    return spec, model
+    arch = arch_from_hf_dir(path)
+    model = build_gpt_model(arch)
+    load_hf_checkpoint(model, arch, path)
+    return arch, model
 
 
 # ---------------------------------------------------------------------- conversion
@@ -46,16 +46,16 @@ def _mcore_model(path: str):
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_hf_mcore_hf_round_trip_is_exact(name, model_dirs, megatron_tp1, tmp_path):
     path = model_dirs[name]
-    spec, model = _mcore_model(path)
-    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (4, 2, 32)
-    assert spec.tie_word_embeddings == ARCHS[name]["tied"] and spec.qkv_bias == (ARCHS[name]["arch"] == "qwen2")
+    arch, model = _mcore_model(path)
+    assert (arch.num_heads, arch.num_kv_heads, arch.head_dim) == (4, 2, 32)
+    assert arch.tie_word_embeddings == ARCHS[name]["tied"] and arch.qkv_bias == (ARCHS[name]["arch"] == "qwen2")
 
     source = _source_tensors(path)
     reader = SafetensorsReader(path)
-    exported = dict(export_hf_weights(model, spec))
+    exported = dict(export_hf_weights(model, arch))
     assert sorted(exported) == sorted(source)             # same names: no tensor lost or invented
-    assert ("lm_head.weight" in exported) == (not spec.tie_word_embeddings)
-    assert ("model.layers.0.self_attn.q_proj.bias" in exported) == spec.qkv_bias
+    assert ("lm_head.weight" in exported) == (not arch.tie_word_embeddings)
+    assert ("model.layers.0.self_attn.q_proj.bias" in exported) == arch.qkv_bias
     for n, t in exported.items():
         ref = reader(n)
         assert t.dtype == ref.dtype and t.shape == ref.shape, n
@@ -63,7 +63,7 @@ def test_hf_mcore_hf_round_trip_is_exact(name, model_dirs, megatron_tp1, tmp_pat
 
     # save_hf_checkpoint writes a directory transformers loads back with identical weights
     out = str(tmp_path / "exported")
-    save_hf_checkpoint(export_hf_weights(model, spec), path, out)
+    save_hf_checkpoint(export_hf_weights(model, arch), path, out)
     with open(os.path.join(path, "config.json")) as a, open(os.path.join(out, "config.json")) as b:
         assert json.load(a) == json.load(b)
     orig, back = load_hf_model(path), load_hf_model(out)
@@ -71,7 +71,7 @@ def test_hf_mcore_hf_round_trip_is_exact(name, model_dirs, megatron_tp1, tmp_pat
     assert sorted(back_params) == sorted(n for n, _ in orig.named_parameters())
     for n, p in orig.named_parameters():
         assert torch.equal(back_params[n], p), n
-    if spec.tie_word_embeddings:
+    if arch.tie_word_embeddings:
         assert back.lm_head.weight is back.model.embed_tokens.weight
     from periodic_async.models.tokenizer import load_tokenizer
     assert load_tokenizer(out).encode("12+3=") == load_tokenizer(path).encode("12+3=")
@@ -80,12 +80,12 @@ def test_hf_mcore_hf_round_trip_is_exact(name, model_dirs, megatron_tp1, tmp_pat
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_mcore_logits_equal_hf_logits(name, model_dirs, megatron_tp1):
     path = model_dirs[name]
-    spec, model = _mcore_model(path)
-    ids = fixed_input_ids(spec.vocab_size)
+    arch, model = _mcore_model(path)
+    ids = fixed_input_ids(arch.vocab_size)
     with torch.no_grad():
         hf = load_hf_model(path)(ids).logits
         mc = model.eval()(ids, *megatron_inputs(ids))
-    assert mc.shape == hf.shape == (*ids.shape, spec.vocab_size)
+    assert mc.shape == hf.shape == (*ids.shape, arch.vocab_size)
     scale = float(hf.abs().max())
     assert scale > 2.0                                    # far from uniform: a layout error would show
     err = float((mc - hf).abs().max())
@@ -117,7 +117,7 @@ def test_unused_checkpoint_tensor_is_an_error(megatron_tp1, tmp_path):
 
 
 def test_logprobs_entropy_tp1_equals_log_softmax(megatron_tp1):
-    from periodic_async.engine.logprobs import logprobs_entropy
+    from periodic_async.actor.logprobs import logprobs_entropy
     g = torch.Generator().manual_seed(0)
     logits = 4.0 * torch.randn(2, 7, 24, generator=g)
     labels = torch.randint(0, 24, (2, 7), generator=g)
@@ -134,22 +134,22 @@ def test_logprobs_entropy_tp1_equals_log_softmax(megatron_tp1):
 # ---------------------------------------------------------------------- fused QKV layout
 
 
-def _spec(heads: int, kv_heads: int, head_dim: int) -> ModelSpec:
-    return ModelSpec(arch="qwen2", vocab_size=24, hidden_size=heads * head_dim, ffn_hidden_size=8, num_layers=1,
+def _arch(heads: int, kv_heads: int, head_dim: int) -> ModelArch:
+    return ModelArch(arch="qwen2", vocab_size=24, hidden_size=heads * head_dim, ffn_hidden_size=8, num_layers=1,
                      num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rope_theta=1e4,
                      rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=16, qkv_bias=True)
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 8), (4, 4, 8), (6, 2, 4), (8, 1, 4), (14, 2, 8)])
 def test_fuse_split_qkv_are_inverse_with_megatron_group_layout(heads, kv_heads, head_dim):
-    spec = _spec(heads, kv_heads, head_dim)
+    arch = _arch(heads, kv_heads, head_dim)
     g = torch.Generator().manual_seed(heads * 100 + kv_heads)
     q_per_g = heads // kv_heads
     for rest in ((5,), ()):                               # weights [out, H] and biases [out]
         q = torch.randn(heads * head_dim, *rest, generator=g)
         k = torch.randn(kv_heads * head_dim, *rest, generator=g)
         v = torch.randn(kv_heads * head_dim, *rest, generator=g)
-        fused = fuse_qkv(q, k, v, spec)
+        fused = fuse_qkv(q, k, v, arch)
         assert fused.shape == ((heads + 2 * kv_heads) * head_dim, *rest)
         # Megatron's layout: per query group j, [its q heads | k_j | v_j]
         blocks = fused.reshape(kv_heads, q_per_g + 2, head_dim, *rest)
@@ -158,9 +158,9 @@ def test_fuse_split_qkv_are_inverse_with_megatron_group_layout(heads, kv_heads, 
             assert torch.equal(blocks[j, :q_per_g], qj)
             assert torch.equal(blocks[j, q_per_g], k.reshape(kv_heads, head_dim, *rest)[j])
             assert torch.equal(blocks[j, q_per_g + 1], v.reshape(kv_heads, head_dim, *rest)[j])
-        q2, k2, v2 = split_qkv(fused, spec)
+        q2, k2, v2 = split_qkv(fused, arch)
         assert torch.equal(q2, q) and torch.equal(k2, k) and torch.equal(v2, v)
-        assert torch.equal(fuse_qkv(q2, k2, v2, spec), fused)
+        assert torch.equal(fuse_qkv(q2, k2, v2, arch), fused)
 
 
 # ---------------------------------------------------------------------- config parsing
@@ -174,21 +174,21 @@ def _hf_config(**over) -> dict:
     return c
 
 
-def test_spec_from_hf_dict_reads_the_architecture(model_dirs):
-    s = spec_from_hf_dict(_hf_config())
+def test_arch_from_hf_dict_reads_the_architecture(model_dirs):
+    s = arch_from_hf_dict(_hf_config())
     assert (s.arch, s.num_heads, s.num_kv_heads, s.head_dim, s.qkv_bias) == ("qwen2", 4, 2, 32, True)
     assert s.rope_theta == 1e6 and s.eos_token_id == 1
-    s = spec_from_hf_dict(_hf_config(model_type="llama", head_dim=16, rope_theta=5e5, eos_token_id=[7, 8]))
+    s = arch_from_hf_dict(_hf_config(model_type="llama", head_dim=16, rope_theta=5e5, eos_token_id=[7, 8]))
     assert (s.arch, s.head_dim, s.qkv_bias, s.rope_theta, s.eos_token_id) == ("llama", 16, False, 5e5, 7)
     # transformers v5 writes rope_parameters; our saved dirs round-trip through it
     for name, kw in ARCHS.items():
-        s = spec_from_hf_dir(model_dirs[name])
+        s = arch_from_hf_dir(model_dirs[name])
         assert (s.arch, s.rope_theta, s.tie_word_embeddings) == (kw["arch"], 1e6, kw["tied"])
 
 
 def test_spec_rejects_unsupported_model_type():
     with pytest.raises(UnsupportedModel) as e:
-        spec_from_hf_dict(_hf_config(model_type="mistral"), source="/m/config.json")
+        arch_from_hf_dict(_hf_config(model_type="mistral"), source="/m/config.json")
     msg = str(e.value)
     assert "/m/config.json" in msg and "model_type" in msg and "'mistral'" in msg and "qwen2, llama" in msg
 
@@ -200,6 +200,6 @@ def test_spec_rejects_unsupported_model_type():
 ])
 def test_spec_rejects_rope_scaling(over, kind):
     with pytest.raises(UnsupportedModel) as e:
-        spec_from_hf_dict(_hf_config(**over), source="/m/config.json")
+        arch_from_hf_dict(_hf_config(**over), source="/m/config.json")
     msg = str(e.value)
     assert "/m/config.json" in msg and "rope scaling" in msg and f"'{kind}'" in msg and "default" in msg

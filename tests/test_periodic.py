@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from periodic_async.config import load_config
-from periodic_async.metrics import read_metrics
-from periodic_async.trainer import Trainer
+from periodic_async.telemetry.logger import read_metrics
+from periodic_async.train.trainer import Trainer
 
-from helpers import kill_worker_hook
+from helpers import kill_worker_hook, mixed_k_hook
 
 STEPS = 3
 LOSS_KEYS = ["actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "critic/score/mean"]
@@ -67,13 +67,13 @@ def test_periodic_with_shuffled_arrival_equals_sync(sync_run, tmp_path):
     arrivals = []
 
     def hook(trainer):
-        source = trainer.source
-        produce = source._produce
+        producer = trainer.producer
+        produce = producer._produce
 
         def recording_produce(plan):
             produce(plan)
-            arrivals.append([r.group_index for r in source.stats.results])
-        source._produce = recording_produce
+            arrivals.append([r.group_index for r in producer.stats.results])
+        producer._produce = recording_produce
 
     trainer, history, params = _run(tmp_path, "periodic", "rollout.num_workers=2", "rollout.max_slots=5",
                                     "rollout.arrival_jitter_s=0.01", hook=hook)
@@ -177,7 +177,7 @@ def test_broadcast_weight_sync_with_a_killed_worker_equals_sync(sync_run, tmp_pa
     kill = kill_worker_hook(killed, at_version=2, worker=1)   # step 3: the replacement needs version 2
 
     def hook(trainer):
-        assert trainer.source.pool._sync_address      # the broadcast path is the one in use
+        assert trainer.producer.pool._sync_address      # the broadcast path is the one in use
         kill(trainer)
 
     trainer, history, params = _run(tmp_path, "periodic", "rollout.num_workers=2", "rollout.max_slots=3",
@@ -186,3 +186,31 @@ def test_broadcast_weight_sync_with_a_killed_worker_equals_sync(sync_run, tmp_pa
     assert killed, "the hook never ran"
     _assert_same_training(history, params, *sync_run)
     assert history[2]["rollouter/restarts"] >= 1
+
+
+# ---------------------------------------------------------------------- K per group
+
+MIXED_K = (2, 4, 8)
+
+
+@pytest.fixture(scope="module")
+def mixed_k_sync_run(tmp_path_factory):
+    """Sync, unshared, groups of K = 2, 4, 8 in every batch: the reference of the tests below."""
+    _, history, params = _run(tmp_path_factory.mktemp("sync_mixed"), "sync", hook=mixed_k_hook(MIXED_K))
+    return history, params
+
+
+@pytest.mark.parametrize("mode,shared", [("periodic", False), ("periodic", True), ("sync", True)])
+def test_groups_of_different_size_train_and_periodic_equals_sync(mixed_k_sync_run, tmp_path, mode, shared):
+    """A batch whose groups have K = 2, 4 and 8 trains in periodic and sync mode, with and without
+    shared-prompt attention, and every variant equals unshared sync: nothing assumes rollout.n.
+    (micro_batch_size 6 cuts groups of 8 across micro-batches; completion order differs.)"""
+    history, params = mixed_k_sync_run
+    sizes = [MIXED_K[i % 3] for i in range(8)]
+    assert all(h["rollout/group_size/mean"] == pytest.approx(sum(sizes) / 8) for h in history)
+    extra = ["rollout.num_workers=2", "rollout.max_slots=5", "rollout.arrival_jitter_s=0.01"] if mode == "periodic" else []
+    _, got, got_params = _run(tmp_path, mode, *extra, f"actor.shared_prompt={str(shared).lower()}",
+                              hook=mixed_k_hook(MIXED_K))
+    _assert_same_training(got, got_params, history, params)
+    assert all(h["rollout/group_size/mean"] == pytest.approx(sum(sizes) / 8) for h in got)
+    assert all(h["perf/total_num_tokens"] == r["perf/total_num_tokens"] for h, r in zip(got, history))

@@ -6,9 +6,9 @@ from transformers import Qwen2ForCausalLM
 
 from periodic_async.backend import get_backend
 from periodic_async.config import ActorConfig, TinyModelConfig
-from periodic_async.engine.tri_model import TriModelEngine
-from periodic_async.engine.batch import TrainSample, pack_unshared
-from periodic_async.models.mcore import spec_from_hf_dir
+from periodic_async.actor.tri_model import TriModelActor
+from periodic_async.actor.packing import TrainSample, pack_unshared
+from periodic_async.models.mcore import arch_from_hf_dir
 from periodic_async.models.tiny import tiny_hf_config
 from periodic_async.models.tokenizer import build_char_tokenizer, mark_char_tokenizer
 from periodic_async.rollout.base import RolloutRequest, SamplingParams
@@ -90,7 +90,7 @@ def test_rollout_logprobs_equal_trainer_logprobs(model):
     get_backend("cpu").init_model_parallel(1, 1, seed=1)
     sp = SamplingParams(temperature=0.8, max_new_tokens=5, stop_token_ids=(tok.eos_token_id,))
     results = list(_engine(path, tok).generate(_requests(tok, sp, n=2)))
-    actor = TriModelEngine(ActorConfig(), spec_from_hf_dir(path), path, temperature=0.8, with_reference=False)
+    actor = TriModelActor(ActorConfig(), arch_from_hf_dir(path), path, temperature=0.8, with_reference=False)
     samples = [TrainSample(r.prompt_ids, r.response_ids, 0.0) for r in results]
     mb = pack_unshared(samples, tok.pad_token_id)
     trainer_lp = actor.compute_logprobs(mb)["policy"]

@@ -23,10 +23,10 @@ import torch
 from kernels.shared_prompt import attention_flop_ratio, ideal_token_ratio, pack_groups, shared_prompt_attention
 from kernels.shared_prompt.npu import reference_npu_fusion_attention
 from periodic_async.config import ActorConfig
-from periodic_async.engine.tri_model import TriModelEngine
-from periodic_async.engine.batch import TrainSample, group_by_prompt, pack_micro_batch, pack_shared, pack_unshared
+from periodic_async.actor.tri_model import TriModelActor
+from periodic_async.actor.packing import TrainSample, group_by_prompt, pack_micro_batch, pack_shared, pack_unshared
 from periodic_async.models.convert import load_hf_checkpoint
-from periodic_async.models.mcore import spec_from_hf_dir
+from periodic_async.models.mcore import arch_from_hf_dir
 
 from helpers import make_hf_model_dir
 
@@ -71,9 +71,9 @@ def fake_torch_npu(monkeypatch):
 
 def _actor(dirs, shared: bool, impl: str = "sdpa", **cfg):
     policy_dir, ref_dir = dirs
-    spec = spec_from_hf_dir(policy_dir)
+    spec = arch_from_hf_dir(policy_dir)
     acfg = ActorConfig(kl_coef=0.1, entropy_coef=0.01, shared_prompt=shared, **cfg)
-    actor = TriModelEngine(acfg, spec, policy_dir, temperature=0.8, with_reference=True, attention_impl=impl if shared else None)
+    actor = TriModelActor(acfg, spec, policy_dir, temperature=0.8, with_reference=True, attention_impl=impl if shared else None)
     load_hf_checkpoint(actor.reference, spec, ref_dir)       # KL (and its gradient) non-zero
     return actor
 

@@ -109,9 +109,9 @@ def tp1(dirs, dist_cpu):
 
 def _hf_reference(model_dir: str, ref_dir: str) -> dict:
     """An independent computation: transformers models (eager, fp32) + autograd of the same GRPO
-    micro-batch loss TriModelEngine.train_micro_step builds (on-policy, so old_logp = logp.detach())."""
-    from periodic_async.algo import grpo
-    from periodic_async.engine.logprobs import logprobs_entropy_full
+    micro-batch loss TriModelActor.train_micro_step builds (on-policy, so old_logp = logp.detach())."""
+    from periodic_async import algo
+    from periodic_async.actor.logprobs import logprobs_entropy_full
     cfg = helpers.actor_config()
     policy, ref = helpers.load_hf_model(model_dir), helpers.load_hf_model(ref_dir)
     ids = helpers.fixed_input_ids(policy.config.vocab_size)
@@ -122,9 +122,9 @@ def _hf_reference(model_dir: str, ref_dir: str) -> dict:
     logp, ent = logprobs_entropy_full(policy(mb.input_ids).logits / t, mb.labels)
     with torch.no_grad():
         ref_logp, _ = logprobs_entropy_full(ref(mb.input_ids).logits / t, mb.labels, False)
-    agg = lambda x: grpo.aggregate(x, mb.loss_mask, cfg.loss_agg_mode, helpers.NORMALISER)  # noqa: E731
-    pg_tok, clipped = grpo.clipped_pg_loss(logp, logp.detach(), mb.advantages, cfg.clip_ratio)
-    pg, kl, entropy = agg(pg_tok), agg(grpo.kl_penalty(logp, ref_logp, cfg.kl_type)), agg(ent)
+    agg = lambda x: algo.aggregate(x, mb.loss_mask, cfg.loss_agg_mode, helpers.NORMALISER)  # noqa: E731
+    pg_tok, clipped = algo.clipped_pg_loss(logp, logp.detach(), mb.advantages, cfg.clip_ratio)
+    pg, kl, entropy = agg(pg_tok), agg(algo.kl_penalty(logp, ref_logp, cfg.kl_type)), agg(ent)
     loss = pg + cfg.kl_coef * kl - cfg.entropy_coef * entropy
     loss.backward()
     metrics = {"actor/pg_loss": pg.item(), "actor/pg_clipfrac": agg(clipped.float()).item(),

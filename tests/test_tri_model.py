@@ -1,4 +1,4 @@
-"""The tri-model engine (engine/tri_model.py).
+"""The tri-model actor (actor/tri_model.py).
 
 - Parallel layouts are exact: TP=2, PP=2 and DP=2 (torchrun, 2 gloo processes each,
   tests/dist_parallel_worker.py) give the same per-token log-probs (policy, old, reference), loss
@@ -126,14 +126,14 @@ def model_dirs(tmp_path):
 
 
 def _engine(dirs, **cfg):
-    from periodic_async.engine.tri_model import TriModelEngine
+    from periodic_async.actor.tri_model import TriModelActor
     from periodic_async.models.convert import load_hf_checkpoint
-    from periodic_async.models.mcore import spec_from_hf_dir
+    from periodic_async.models.mcore import arch_from_hf_dir
     policy, old, ref = dirs
-    spec = spec_from_hf_dir(policy)
-    eng = TriModelEngine(helpers.tri_model_config(**cfg), spec, policy, temperature=helpers.TEMPERATURE)
-    load_hf_checkpoint(eng.old, spec, old)
-    load_hf_checkpoint(eng.reference, spec, ref)
+    arch = arch_from_hf_dir(policy)
+    eng = TriModelActor(helpers.tri_model_config(**cfg), arch, policy, temperature=helpers.TEMPERATURE)
+    load_hf_checkpoint(eng.old, arch, old)
+    load_hf_checkpoint(eng.reference, arch, ref)
     eng.old_is_current = False
     return eng
 
@@ -145,9 +145,9 @@ def _grads(eng) -> dict[str, torch.Tensor]:
 def test_tri_step_equals_three_separate_forwards(model_dirs, megatron_tp1):
     """One scheduled micro-step with three distinct models == policy / old / reference forwards
     run one by one (plain module calls) and the GRPO loss computed from them by hand."""
-    from periodic_async.algo import grpo
-    from periodic_async.engine.batch import pack_micro_batch
-    from periodic_async.engine.logprobs import logprobs_entropy
+    from periodic_async import algo
+    from periodic_async.actor.packing import pack_micro_batch
+    from periodic_async.actor.logprobs import logprobs_entropy
     eng = _engine(model_dirs)
     cfg = eng.cfg
     group = helpers.tri_groups()[0] + helpers.tri_groups()[2]
@@ -163,9 +163,9 @@ def test_tri_step_equals_three_separate_forwards(model_dirs, megatron_tp1):
     with torch.no_grad():
         old = logprobs_entropy(logits(eng.old), mb.labels, t, False)[0]
         ref = logprobs_entropy(logits(eng.reference), mb.labels, t, False)[0]
-    agg = lambda x: grpo.aggregate(x, mb.loss_mask, cfg.loss_agg_mode, norm)   # noqa: E731
-    pg_tok, clipped = grpo.clipped_pg_loss(logp, old, mb.advantages, cfg.clip_ratio)
-    pg, kl, entropy = agg(pg_tok), agg(grpo.kl_penalty(logp, ref, cfg.kl_type)), agg(ent)
+    agg = lambda x: algo.aggregate(x, mb.loss_mask, cfg.loss_agg_mode, norm)   # noqa: E731
+    pg_tok, clipped = algo.clipped_pg_loss(logp, old, mb.advantages, cfg.clip_ratio)
+    pg, kl, entropy = agg(pg_tok), agg(algo.kl_penalty(logp, ref, cfg.kl_type)), agg(ent)
     loss = pg + cfg.kl_coef * kl - cfg.entropy_coef * entropy
     loss.backward()
     want = {"actor/pg_loss": pg.item(), "actor/pg_clipfrac": agg(clipped.float()).item(),
@@ -190,10 +190,46 @@ def test_tri_step_equals_three_separate_forwards(model_dirs, megatron_tp1):
         torch.testing.assert_close(p.grad, got_grads[n], rtol=1e-5, atol=1e-7)
 
 
+def test_a_registered_policy_loss_reaches_the_actor_by_name(model_dirs, megatron_tp1):
+    """A loss registered in algo/ and named in actor.policy_loss is what the actor trains with: it
+    receives every input (old, reference and behaviour log-probs), its own metric keys come back,
+    and its gradient is its own (here 3x GRPO's clipped PG term) - no actor code changed."""
+    from periodic_async import algo
+    from periodic_async.actor.packing import pack_micro_batch
+    seen = []
+
+    @algo.register_policy_loss("test_triple_pg")
+    class TriplePG(algo.PolicyLoss):
+        metric_keys = ("actor/pg_loss", "test/behaviour_logp_sum")
+
+        def __call__(self, x):
+            seen.append(x)
+            pg_tok, _ = algo.clipped_pg_loss(x.logp, x.old_logp, x.advantages, self.cfg.clip_ratio)
+            pg = algo.aggregate(pg_tok, x.mask, self.cfg.loss_agg_mode, x.normaliser)
+            return 3 * pg, {"actor/pg_loss": pg.detach(), "test/behaviour_logp_sum": (x.rollout_logp * x.mask).sum()}
+    try:
+        mb = pack_micro_batch(helpers.tri_groups()[0], 0)
+        plain = _engine(model_dirs, kl_coef=0.0, entropy_coef=0.0)
+        want = plain.train_micro_step(mb, 7.0, use_old=True)
+        want_grads = _grads(plain)
+        mine = _engine(model_dirs, kl_coef=0.0, entropy_coef=0.0, policy_loss="test_triple_pg")
+        assert isinstance(mine.objective, TriplePG)
+        got = mine.train_micro_step(mb, 7.0, use_old=True)
+    finally:
+        algo.POLICY_LOSSES.pop("test_triple_pg")
+    assert len(seen) == 1 and seen[0].ref_logp is not None and seen[0].normaliser == 7.0
+    assert not torch.equal(seen[0].old_logp, seen[0].logp.detach())          # the old model's, not the shortcut
+    assert sorted(k for k in got if not k.startswith("training/")) == ["actor/pg_loss", "test/behaviour_logp_sum"]
+    assert got["test/behaviour_logp_sum"] == pytest.approx(float((mb.rollout_logp * mb.loss_mask).sum()))
+    assert got["actor/pg_loss"] == pytest.approx(want["actor/pg_loss"], rel=1e-6)
+    for n, p in mine.policy.named_parameters():
+        torch.testing.assert_close(p.grad, 3 * want_grads[n], rtol=1e-5, atol=1e-7, msg=lambda m: f"{n}: {m}")
+
+
 def test_old_policy_shortcut_equals_old_forward(model_dirs, megatron_tp1):
     """At a batch's start old == policy: skipping the old forward (detached policy log-probs)
     gives the same loss and gradients as running the old model."""
-    from periodic_async.engine.batch import pack_micro_batch
+    from periodic_async.actor.packing import pack_micro_batch
     eng = _engine(model_dirs)
     eng.refresh_old()                              # old <- policy
     for po, pp in zip(eng.old.parameters(), eng.policy.parameters()):
@@ -212,7 +248,7 @@ def test_old_policy_shortcut_equals_old_forward(model_dirs, megatron_tp1):
 
 def test_old_model_follows_policy_across_batches(model_dirs, megatron_tp1):
     """After an optimizer step the old model is stale until refresh_old, then equals the policy."""
-    from periodic_async.engine.batch import pack_micro_batch
+    from periodic_async.actor.packing import pack_micro_batch
     eng = _engine(model_dirs)
     eng.refresh_old()
     eng.train_micro_step(pack_micro_batch(helpers.tri_groups()[0], 0), 11.0)
@@ -224,11 +260,11 @@ def test_old_model_follows_policy_across_batches(model_dirs, megatron_tp1):
 
 
 def test_use_old_without_old_model_is_an_error(model_dirs, megatron_tp1):
-    from periodic_async.engine.batch import pack_micro_batch
-    from periodic_async.engine.tri_model import TriModelEngine
-    from periodic_async.models.mcore import spec_from_hf_dir
-    spec = spec_from_hf_dir(model_dirs[0])
-    eng = TriModelEngine(helpers.tri_model_config(ppo_epochs=1), spec, model_dirs[0])
+    from periodic_async.actor.packing import pack_micro_batch
+    from periodic_async.actor.tri_model import TriModelActor
+    from periodic_async.models.mcore import arch_from_hf_dir
+    arch = arch_from_hf_dir(model_dirs[0])
+    eng = TriModelActor(helpers.tri_model_config(ppo_epochs=1), arch, model_dirs[0])
     assert eng.old is None                         # strictly on-policy: no old model is built
     with pytest.raises(RuntimeError, match="ppo_epochs > 1"):
         eng.train_micro_step(pack_micro_batch(helpers.tri_groups()[0], 0), 1.0, use_old=True)
@@ -237,7 +273,7 @@ def test_use_old_without_old_model_is_an_error(model_dirs, megatron_tp1):
 def test_offload_and_bf16_frozen_models(model_dirs, megatron_tp1):
     """offload_frozen: identical loss and gradients, frozen weights not resident between uses.
     frozen_dtype=bfloat16: half the frozen bytes, log-probs within bf16 rounding of fp32."""
-    from periodic_async.engine.batch import pack_micro_batch
+    from periodic_async.actor.packing import pack_micro_batch
     mb = pack_micro_batch(helpers.tri_groups()[2], 0)
     base = _engine(model_dirs)
     m_base = base.train_micro_step(mb, 7.0, use_old=True)
@@ -274,50 +310,59 @@ def test_export_buckets_bound_collectives_and_memory(model_dirs, megatron_tp1):
     alone), all tensors exactly once; exported values do not depend on the bucket size."""
     from periodic_async.models.convert import (_BucketedGather, export_hf_weights, export_order, hf_layout,
                                                mcore_full_shape)
-    from periodic_async.models.mcore import spec_from_hf_dir
+    from periodic_async.models.mcore import arch_from_hf_dir
     eng = _engine(model_dirs)
-    spec = eng.spec
+    arch = eng.arch
     params = dict(eng.policy.named_parameters())
     for bound in (1, 20_000, 1 << 30):
-        plan = _BucketedGather(params, spec, bound).buckets
-        assert [n for _, names in plan for n in names] == export_order(spec)
+        plan = _BucketedGather(params, arch, bound).buckets
+        assert [n for _, names in plan for n in names] == export_order(arch)
         for _, names in plan:
-            size = sum(torch.Size(mcore_full_shape(n, spec)).numel() * 4 for n in names)
+            size = sum(torch.Size(mcore_full_shape(n, arch)).numel() * 4 for n in names)
             assert size <= bound or len(names) == 1
-    assert len(_BucketedGather(params, spec, 1 << 30).buckets) == 1
-    small = dict(export_hf_weights(eng.policy, spec, 1))
-    big = dict(export_hf_weights(eng.policy, spec, 1 << 30))
+    assert len(_BucketedGather(params, arch, 1 << 30).buckets) == 1
+    small = dict(export_hf_weights(eng.policy, arch, 1))
+    big = dict(export_hf_weights(eng.policy, arch, 1 << 30))
     assert sorted(small) == sorted(big)
     assert all(torch.equal(small[n], big[n]) for n in small)
-    assert hf_layout(spec) == [(n, tuple(t.shape)) for n, t in big.items()]   # the layout, from shapes only
+    assert hf_layout(arch) == [(n, tuple(t.shape)) for n, t in big.items()]   # the layout, from shapes only
 
 
 # ---------------------------------------------------------------------- the trainer under torchrun
 
-@pytest.mark.parametrize("layout", ["pp2", "dp2"])
+@pytest.mark.parametrize("layout", ["pp2", "dp2", "dp2-mixed-k"])
 def test_trainer_under_torchrun_equals_single_process(layout, tmp_path):
     """`python -m periodic_async` with 2 trainer ranks (PP=2, or DP=2) in periodic mode with a
     rollout worker and ppo_epochs=2 (the old model in the trainer loop) trains exactly like a
-    single-process sync run: same per-step loss terms, scores and grad norms."""
+    single-process sync run: same per-step loss terms, scores and grad norms. dp2-mixed-k: the
+    batch's groups have K = 2, 8, 4, 3 (tests/dist_trainer_worker.py), so the two DP ranks train on
+    different numbers of samples (8 and 9)."""
     from periodic_async.config import load_config
-    from periodic_async.metrics import read_metrics
-    from periodic_async.trainer import Trainer
+    from periodic_async.telemetry.logger import read_metrics
+    from periodic_async.train.trainer import Trainer
     common = ["trainer.total_steps=3", "trainer.progress_bar=false", "trainer.save_final=false",
               "data.train_batch_size=4", "rollout.n=4", "rollout.max_new_tokens=4", "actor.micro_batch_size=6",
               "actor.kl_coef=0.1", "actor.entropy_coef=0.01", "reward.num_workers=0", "actor.adam_eps=1e-4",
               "actor.ppo_epochs=2", "model.tiny.num_layers=2", "trainer.tensorboard=false"]
     par_dir = tmp_path / layout
     extra = ["parallel.pipeline_model_parallel_size=2"] if layout == "pp2" else []
+    mixed = layout == "dp2-mixed-k"
+    entry = [str(Path(__file__).with_name("dist_trainer_worker.py")), "--sizes", "2,8,4,3"] if mixed \
+        else ["-m", "periodic_async", "--config"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "periodic_async", "--config", "configs/default.yaml", "trainer.mode=periodic",
+           *entry, "configs/default.yaml", "trainer.mode=periodic",
            "rollout.num_workers=1", f"trainer.run_dir={par_dir}", *common, *extra]
     _run_torchrun(cmd, timeout=400)
     par = read_metrics(str(par_dir))
-    single = Trainer(load_config("configs/default.yaml", ["trainer.mode=sync", f"trainer.run_dir={tmp_path / 'one'}",
-                                                          *common])).fit()
+    trainer = Trainer(load_config("configs/default.yaml", ["trainer.mode=sync", f"trainer.run_dir={tmp_path / 'one'}",
+                                                           *common]))
+    if mixed:
+        helpers.mixed_k_hook((2, 8, 4, 3))(trainer)
+    single = trainer.fit()
     assert [r["step"] for r in par] == [1, 2, 3]
     for step, (p, s) in enumerate(zip(par, single), 1):
         for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "critic/score/mean",
-                  "training/rollout_probs_diff_mean"):
+                  "training/rollout_probs_diff_mean", "rollout/group_size/mean"):
             assert p[k] == pytest.approx(s[k], rel=1e-4, abs=2e-5), f"step {step} {k}: {p[k]} vs {s[k]}"
     assert single[-1]["actor/kl_loss"] > 0
+    assert single[0]["rollout/group_size/mean"] == (4.0 if not mixed else (2 + 8 + 4 + 3) / 4)

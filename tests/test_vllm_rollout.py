@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (./run.sh install vllm); the vLLM rollout tests need it")
 
 from periodic_async.config import ConfigError, load_config  # noqa: E402
-from periodic_async.trainer import Trainer  # noqa: E402
+from periodic_async.train.trainer import Trainer  # noqa: E402
 
 from helpers import kill_worker_hook  # noqa: E402
 

@@ -73,16 +73,16 @@ class SavedActivationBytes:
 
 def bench_model(name: str, backend, ks, ratios, resp_len: int, min_time: float, min_repeats: int, log):
     from periodic_async.config import ActorConfig
-    from periodic_async.engine.tri_model import TriModelEngine
-    from periodic_async.engine.batch import TrainSample, pack_shared, pack_unshared
-    from periodic_async.models.mcore import spec_from_hf_dir
+    from periodic_async.actor.tri_model import TriModelActor
+    from periodic_async.actor.packing import TrainSample, pack_shared, pack_unshared
+    from periodic_async.models.mcore import arch_from_hf_dir
     from kernels.shared_prompt import attention_flop_ratio, ideal_token_ratio
 
     device = backend.device(0)
     tmp = tempfile.mkdtemp(prefix=f"bench_sp_{name}_")
     model_dir = make_model_dir(tmp, name)
-    spec = spec_from_hf_dir(model_dir)
-    actors = {shared: TriModelEngine(ActorConfig(shared_prompt=shared, grad_clip=0.0), spec, model_dir, device=device,
+    arch = arch_from_hf_dir(model_dir)
+    actors = {shared: TriModelActor(ActorConfig(shared_prompt=shared, grad_clip=0.0), arch, model_dir, device=device,
                             with_reference=False) for shared in (False, True)}
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -90,8 +90,8 @@ def bench_model(name: str, backend, ks, ratios, resp_len: int, min_time: float, 
         pr, rr = (int(x) for x in ratio.split(":"))
         p = max(1, resp_len * pr // rr)
         for k in ks:
-            prompt = torch.randint(2, spec.vocab_size, (p,), generator=gen).tolist()
-            group = [TrainSample(prompt, torch.randint(2, spec.vocab_size, (resp_len,), generator=gen).tolist(),
+            prompt = torch.randint(2, arch.vocab_size, (p,), generator=gen).tolist()
+            group = [TrainSample(prompt, torch.randint(2, arch.vocab_size, (resp_len,), generator=gen).tolist(),
                                  float(torch.randn((), generator=gen))) for _ in range(k)]
             mbs = {False: pack_unshared(group, 0).to(device), True: pack_shared([group], 0).to(device)}
             normaliser = float(k * resp_len)
@@ -146,7 +146,7 @@ def run_e2e(steps: int, rounds: int, log) -> list[dict]:
     """The trainer with the default config, actor.shared_prompt false / true, alternating for
     `rounds` rounds; per setting the mean over rounds of the second half of each run."""
     from periodic_async.config import load_config
-    from periodic_async.trainer import Trainer
+    from periodic_async.train.trainer import Trainer
 
     runs: dict[bool, list[dict]] = {False: [], True: []}
     for rnd in range(rounds):

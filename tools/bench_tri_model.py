@@ -70,9 +70,9 @@ def worker(args) -> None:
     import torch.distributed as dist
     from periodic_async.backend import get_backend
     from periodic_async.config import ActorConfig
-    from periodic_async.engine.batch import TrainSample, pack_micro_batch
-    from periodic_async.engine.tri_model import TriModelEngine
-    from periodic_async.models.mcore import spec_from_hf_dir
+    from periodic_async.actor.packing import TrainSample, pack_micro_batch
+    from periodic_async.actor.tri_model import TriModelActor
+    from periodic_async.models.mcore import arch_from_hf_dir
     from periodic_async.models.tiny import make_random_model_dir
 
     backend = get_backend(args.backend)
@@ -85,12 +85,12 @@ def worker(args) -> None:
     if rank == 0 and not os.path.exists(os.path.join(model_dir, "config.json")):
         make_random_model_dir(model_dir, hidden, layers, heads, kv, ffn, vocab)
     dist.barrier()
-    spec = spec_from_hf_dir(model_dir)
-    n_params = sum(p.numel() for p in _hf_shapes(spec).parameters())
+    arch = arch_from_hf_dir(model_dir)
+    n_params = sum(p.numel() for p in _hf_shapes(arch).parameters())
 
     def engine(**kw):
         cfg = ActorConfig(ppo_epochs=2, kl_coef=0.001, micro_batch_size=mbs, **kw)
-        return TriModelEngine(cfg, spec, model_dir, device=device)
+        return TriModelActor(cfg, arch, model_dir, device=device)
 
     gen = torch.Generator().manual_seed(0)
     samples = []
@@ -143,13 +143,13 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def _hf_shapes(spec):
-    """A meta-device HF model of the spec (parameter count only)."""
+def _hf_shapes(arch):
+    """A meta-device HF model of the arch (parameter count only)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    cfg = Qwen2Config(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.ffn_hidden_size,
-                      num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
-                      num_key_value_heads=spec.num_kv_heads, tie_word_embeddings=spec.tie_word_embeddings)
+    cfg = Qwen2Config(vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, intermediate_size=arch.ffn_hidden_size,
+                      num_hidden_layers=arch.num_layers, num_attention_heads=arch.num_heads,
+                      num_key_value_heads=arch.num_kv_heads, tie_word_embeddings=arch.tie_word_embeddings)
     with torch.device("meta"):
         return Qwen2ForCausalLM(cfg)
 

@@ -1,1 +1,16 @@
+"""RL algorithms, chosen by name from the config (verl's registries):
 
+- advantage estimators (`algo.adv_estimator`): advantages.py - "grpo", "rloo";
+- policy losses (`actor.policy_loss`): losses.py - "grpo" (PPO-clip + KL to the reference + entropy).
+
+The actor (periodic_async/actor) calls the loss it was built with inside its micro-step and knows
+nothing of GRPO; the scorer (periodic_async/scheduling) calls the estimator on each scored group.
+Register a new one with `@register_adv_estimator("name")` / `@register_policy_loss("name")`.
+"""
+from .advantages import ADV_ESTIMATORS, compute_advantages, register_adv_estimator
+from .losses import (POLICY_LOSSES, LossInputs, PolicyLoss, aggregate, batch_normaliser, build_policy_loss,
+                     clipped_pg_loss, kl_penalty, register_policy_loss)
+
+__all__ = ["ADV_ESTIMATORS", "compute_advantages", "register_adv_estimator", "POLICY_LOSSES", "LossInputs",
+           "PolicyLoss", "aggregate", "batch_normaliser", "build_policy_loss", "clipped_pg_loss", "kl_penalty",
+           "register_policy_loss"]

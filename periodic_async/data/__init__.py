@@ -1,1 +1,2 @@
-
+"""Prompts: records.py (PromptRecord), dataset.py (jsonl / parquet / HF readers, the resumable
+loader), synthetic.py (the built-in task), gsm8k_task.py + gsm8k/ (the shipped GSM8K sample)."""

@@ -9,29 +9,19 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
 
 from periodic_async.config import DataConfig
 from periodic_async.data.gsm8k_task import extract_gsm8k_answer, format_gsm8k_prompt, sample_path
+from periodic_async.data.records import DatasetError, PromptRecord
+from periodic_async.data.synthetic import make_records
 
 # The version the project is tested with; `datasets` is optional and only needed for source "hf".
 DATASETS_PIN = "datasets==5.2.0"
 
 _GSM8K_KEYS = ("question", "answer")
-
-
-class DatasetError(ValueError):
-    """A dataset that cannot be read; the message names the file and the line or row at fault."""
-
-
-@dataclass
-class PromptRecord:
-    prompt: str
-    answer: str
-    index: int  # 0-based position of the row in its source
 
 
 # ---------------------------------------------------------------- readers
@@ -168,7 +158,6 @@ def load_gsm8k_sample() -> list[PromptRecord]:
 def load_records(cfg: DataConfig) -> list[PromptRecord]:
     """All records of the configured source, in source order."""
     if cfg.source == "synthetic":
-        from periodic_async.data.synthetic import make_records  # written separately; import on use
         return make_records(cfg.synthetic, seed=cfg.seed)
     if cfg.source == "gsm8k":
         return load_gsm8k_sample()

@@ -7,7 +7,7 @@ platform notes: `a+b=` is not), so the answer is a simple function of ONE visibl
 - copy_last:  prompt "4719=" -> answer "9".
 - sum_mod10:  prompt "4719=" -> answer "1" ((4+7+1+9) mod 10; harder, for longer runs).
 
-Rewards (periodic_async/reward/synthetic.py) give partial credit for a digit, so the format is
+Rewards (reward/synthetic.py) give partial credit for a digit, so the format is
 learnt first and the mapping after it.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import SyntheticTaskConfig
+from .records import PromptRecord
 
 TASKS = ("next_digit", "copy_last", "sum_mod10")
 
@@ -31,7 +32,6 @@ def answer_for(task: str, digits: str) -> str:
 
 def make_records(cfg: SyntheticTaskConfig, seed: int):
     """`cfg.size` prompts of `cfg.num_digits` random digits each, deterministic in `seed`."""
-    from .dataset import PromptRecord
     if cfg.task not in TASKS:
         raise ValueError(f"data.synthetic.task: unknown '{cfg.task}'; allowed: {', '.join(TASKS)}")
     if cfg.num_digits < 1 or cfg.size < 1:

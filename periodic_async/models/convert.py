@@ -22,16 +22,16 @@ from typing import Callable, Iterator
 
 import torch
 
-from .mcore import ModelSpec
+from .mcore import ModelArch
 
 TensorGetter = Callable[[str], torch.Tensor]
 
 
 # ---------------------------------------------------------------------- full-tensor layout maps
 
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: ModelArch) -> torch.Tensor:
     """[G*q*d, ...], [G*d, ...], [G*d, ...] -> [G*(q+2)*d, ...] (weights or biases)."""
-    g, d = spec.num_kv_heads, spec.head_dim
+    g, d = arch.num_kv_heads, arch.head_dim
     rest = q.shape[1:]
     q = q.reshape(g, -1, *rest)
     k = k.reshape(g, d, *rest)
@@ -39,9 +39,9 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ModelSpec)
     return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
 
-def split_qkv(qkv: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g, d = spec.num_kv_heads, spec.head_dim
-    qd = spec.num_heads // g * d
+def split_qkv(qkv: torch.Tensor, arch: ModelArch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g, d = arch.num_kv_heads, arch.head_dim
+    qd = arch.num_heads // g * d
     rest = qkv.shape[1:]
     grouped = qkv.reshape(g, qd + 2 * d, *rest)
     q, k, v = grouped.split([qd, d, d], dim=1)
@@ -73,12 +73,12 @@ def _shard(t: torch.Tensor, dim: int | None, rank: int, size: int) -> torch.Tens
     return t.chunk(size, dim=dim)[rank]
 
 
-def hf_to_mcore_shards(get: TensorGetter, spec: ModelSpec, tp_rank: int, tp_size: int,
+def hf_to_mcore_shards(get: TensorGetter, arch: ModelArch, tp_rank: int, tp_size: int,
                        layers: range | None = None, pre_process: bool = True,
                        post_process: bool = True) -> dict[str, torch.Tensor]:
     """This TP rank's Megatron-core state dict (decoder layers numbered locally from 0)."""
     out: dict[str, torch.Tensor] = {}
-    layers = layers if layers is not None else range(spec.num_layers)
+    layers = layers if layers is not None else range(arch.num_layers)
     if pre_process:
         out["embedding.word_embeddings.weight"] = _shard(get("model.embed_tokens.weight"), 0, tp_rank, tp_size)
     for local, i in enumerate(layers):
@@ -86,35 +86,35 @@ def hf_to_mcore_shards(get: TensorGetter, spec: ModelSpec, tp_rank: int, tp_size
         for mc, (hf, dim) in _SIMPLE_LAYER.items():
             out[m + mc] = _shard(get(h + hf), dim, tp_rank, tp_size)
         att = h + "self_attn."
-        qkv = fuse_qkv(get(att + "q_proj.weight"), get(att + "k_proj.weight"), get(att + "v_proj.weight"), spec)
+        qkv = fuse_qkv(get(att + "q_proj.weight"), get(att + "k_proj.weight"), get(att + "v_proj.weight"), arch)
         out[m + "self_attention.linear_qkv.weight"] = _shard(qkv, 0, tp_rank, tp_size)
-        if spec.qkv_bias:
-            qkv_b = fuse_qkv(get(att + "q_proj.bias"), get(att + "k_proj.bias"), get(att + "v_proj.bias"), spec)
+        if arch.qkv_bias:
+            qkv_b = fuse_qkv(get(att + "q_proj.bias"), get(att + "k_proj.bias"), get(att + "v_proj.bias"), arch)
             out[m + "self_attention.linear_qkv.bias"] = _shard(qkv_b, 0, tp_rank, tp_size)
         gate = _shard(get(h + "mlp.gate_proj.weight"), 0, tp_rank, tp_size)
         up = _shard(get(h + "mlp.up_proj.weight"), 0, tp_rank, tp_size)
         out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
     if post_process:
         out["decoder.final_layernorm.weight"] = get("model.norm.weight")
-        if not spec.tie_word_embeddings:
+        if not arch.tie_word_embeddings:
             out["output_layer.weight"] = _shard(get("lm_head.weight"), 0, tp_rank, tp_size)
     return out
 
 
-def mcore_to_hf_full(gather: TensorGetter, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+def mcore_to_hf_full(gather: TensorGetter, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
     """HF tensors from a getter of GATHERED (full, TP-unsharded) Megatron tensors. `linear_fc1` must
     be gathered per-rank-halves already regrouped as [gate ; up] (see export_hf_weights)."""
     yield "model.embed_tokens.weight", gather("embedding.word_embeddings.weight")
-    for i in range(spec.num_layers):
+    for i in range(arch.num_layers):
         h, m = _hf_layer(i), _mc_layer(i)
         for mc, (hf, _) in _SIMPLE_LAYER.items():
             yield h + hf, gather(m + mc)
-        q, k, v = split_qkv(gather(m + "self_attention.linear_qkv.weight"), spec)
+        q, k, v = split_qkv(gather(m + "self_attention.linear_qkv.weight"), arch)
         yield h + "self_attn.q_proj.weight", q
         yield h + "self_attn.k_proj.weight", k
         yield h + "self_attn.v_proj.weight", v
-        if spec.qkv_bias:
-            qb, kb, vb = split_qkv(gather(m + "self_attention.linear_qkv.bias"), spec)
+        if arch.qkv_bias:
+            qb, kb, vb = split_qkv(gather(m + "self_attention.linear_qkv.bias"), arch)
             yield h + "self_attn.q_proj.bias", qb
             yield h + "self_attn.k_proj.bias", kb
             yield h + "self_attn.v_proj.bias", vb
@@ -122,7 +122,7 @@ def mcore_to_hf_full(gather: TensorGetter, spec: ModelSpec) -> Iterator[tuple[st
         yield h + "mlp.gate_proj.weight", gate
         yield h + "mlp.up_proj.weight", up
     yield "model.norm.weight", gather("decoder.final_layernorm.weight")
-    if not spec.tie_word_embeddings:
+    if not arch.tie_word_embeddings:
         yield "lm_head.weight", gather("output_layer.weight")
 
 
@@ -166,17 +166,17 @@ class SafetensorsReader:
         return self._handles[fn].get_tensor(name)
 
 
-def load_hf_checkpoint(model: torch.nn.Module, spec: ModelSpec, path: str) -> None:
+def load_hf_checkpoint(model: torch.nn.Module, arch: ModelArch, path: str) -> None:
     """Copy a HF checkpoint into this rank's Megatron-core model: its TP shard of its pipeline
     stage's layers (plus the embedding on the first stage, final norm / output on the last)."""
     from megatron.core import parallel_state as ps
     from .mcore import stage_layers
     reader = SafetensorsReader(path)
-    layers = stage_layers(spec)
+    layers = stage_layers(arch)
     pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-    shards = hf_to_mcore_shards(reader, spec, tp_rank, tp_size, layers, pre, post)
-    if post and not pre and spec.tie_word_embeddings:
+    shards = hf_to_mcore_shards(reader, arch, tp_rank, tp_size, layers, pre, post)
+    if post and not pre and arch.tie_word_embeddings:
         # tied embeddings with PP > 1: the last stage holds its own copy of the embedding as the
         # output layer (Megatron keeps the two in sync by all-reducing their gradients)
         shards["output_layer.weight"] = _shard(reader("model.embed_tokens.weight"), 0, tp_rank, tp_size)
@@ -195,7 +195,7 @@ def load_hf_checkpoint(model: torch.nn.Module, spec: ModelSpec, path: str) -> No
     # layout has no place for) would give a wrong model without any error.
     unused = sorted(n for n in reader.names() - reader.used
                     if not n.endswith("rotary_emb.inv_freq") and not other_stage(n)
-                    and not (spec.tie_word_embeddings and n == "lm_head.weight"))
+                    and not (arch.tie_word_embeddings and n == "lm_head.weight"))
     if unused:
         raise KeyError(f"{path}: checkpoint tensors with no place in the Megatron model: {unused[:5]}")
     with torch.no_grad():
@@ -227,49 +227,49 @@ def gather_tp(name: str, local: torch.Tensor) -> torch.Tensor:
     return _unshard(name, parts)
 
 
-def mcore_full_shape(name: str, spec: ModelSpec) -> tuple[int, ...]:
+def mcore_full_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
     """The full (TP-unsharded) shape of a Megatron parameter, from the architecture alone, so
     every rank can plan an export without seeing the other stages' parameters."""
-    h, f, d = spec.hidden_size, spec.ffn_hidden_size, spec.head_dim
-    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * d
-    for suffix, shape in (("word_embeddings.weight", (spec.vocab_size, h)), ("output_layer.weight", (spec.vocab_size, h)),
+    h, f, d = arch.hidden_size, arch.ffn_hidden_size, arch.head_dim
+    qkv = (arch.num_heads + 2 * arch.num_kv_heads) * d
+    for suffix, shape in (("word_embeddings.weight", (arch.vocab_size, h)), ("output_layer.weight", (arch.vocab_size, h)),
                           ("layernorm.weight", (h,)), ("linear_qkv.weight", (qkv, h)), ("linear_qkv.bias", (qkv,)),
-                          ("linear_proj.weight", (h, spec.num_heads * d)), ("linear_fc1.weight", (2 * f, h)),
+                          ("linear_proj.weight", (h, arch.num_heads * d)), ("linear_fc1.weight", (2 * f, h)),
                           ("linear_fc2.weight", (h, f))):
         if name.endswith(suffix):
             return shape
     raise KeyError(f"unknown Megatron parameter {name}")
 
 
-def _shape_only_export(spec: ModelSpec) -> tuple[list[str], list[tuple[str, tuple[int, ...]]]]:
+def _shape_only_export(arch: ModelArch) -> tuple[list[str], list[tuple[str, tuple[int, ...]]]]:
     """Run `mcore_to_hf_full` on shape-only meta tensors: (the Megatron names in the order it asks
     for them, the HF (name, shape) pairs it yields). No data is touched."""
     order: list[str] = []
 
     def record(name: str) -> torch.Tensor:
         order.append(name)
-        return torch.empty(mcore_full_shape(name, spec), device="meta")
-    layout = [(n, tuple(t.shape)) for n, t in mcore_to_hf_full(record, spec)]
+        return torch.empty(mcore_full_shape(name, arch), device="meta")
+    layout = [(n, tuple(t.shape)) for n, t in mcore_to_hf_full(record, arch)]
     return order, layout
 
 
-def export_order(spec: ModelSpec) -> list[str]:
+def export_order(arch: ModelArch) -> list[str]:
     """Global Megatron parameter names in the order `mcore_to_hf_full` asks for them."""
-    return _shape_only_export(spec)[0]
+    return _shape_only_export(arch)[0]
 
 
-def hf_layout(spec: ModelSpec) -> list[tuple[str, tuple[int, ...]]]:
+def hf_layout(arch: ModelArch) -> list[tuple[str, tuple[int, ...]]]:
     """The (name, shape) pairs `export_hf_weights` yields, without exporting anything."""
-    return _shape_only_export(spec)[1]
+    return _shape_only_export(arch)[1]
 
 
-def owner_stage(name: str, spec: ModelSpec, pp: int) -> tuple[int, str]:
+def owner_stage(name: str, arch: ModelArch, pp: int) -> tuple[int, str]:
     """(pipeline stage holding a global Megatron parameter, its name on that stage)."""
     if name.startswith("embedding."):
         return 0, name
     if name.startswith("decoder.layers."):
         i = int(name.split(".")[2])
-        per = spec.num_layers // pp
+        per = arch.num_layers // pp
         stage = i // per
         return stage, _mc_layer(i - stage * per) + name.split(".", 3)[3]
     return pp - 1, name
@@ -282,9 +282,9 @@ class _BucketedGather:
     for the same names in the same order. Each tensor is handed out once and then forgotten, so
     at most about one bucket of gathered tensors is alive here."""
 
-    def __init__(self, params: dict[str, torch.Tensor], spec: ModelSpec, bucket_bytes: int):
+    def __init__(self, params: dict[str, torch.Tensor], arch: ModelArch, bucket_bytes: int):
         from megatron.core import parallel_state as ps
-        self.params, self.spec = params, spec
+        self.params, self.arch = params, arch
         self.tp, self.pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
         self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         self.dtype = next(iter(params.values())).dtype
@@ -293,9 +293,9 @@ class _BucketedGather:
         # buckets: consecutive names of one owner stage, at most bucket_bytes (a bigger tensor alone)
         self.buckets: list[tuple[int, list[str]]] = []
         size = 0
-        for name in export_order(spec):
-            stage, _ = owner_stage(name, spec, self.pp)
-            nbytes = math.prod(mcore_full_shape(name, spec)) * itemsize
+        for name in export_order(arch):
+            stage, _ = owner_stage(name, arch, self.pp)
+            nbytes = math.prod(mcore_full_shape(name, arch)) * itemsize
             if not self.buckets or self.buckets[-1][0] != stage or size + nbytes > bucket_bytes:
                 self.buckets.append((stage, []))
                 size = 0
@@ -313,7 +313,7 @@ class _BucketedGather:
         return self.ready.pop(name)
 
     def _local_shape(self, name: str) -> tuple[int, ...]:
-        shape = list(mcore_full_shape(name, self.spec))
+        shape = list(mcore_full_shape(name, self.arch))
         dim = _tp_shard_dim(name)
         if dim is not None:
             shape[dim] //= self.tp
@@ -322,10 +322,10 @@ class _BucketedGather:
     def _fetch(self, stage: int, names: list[str]) -> None:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
-        full_shapes = [mcore_full_shape(n, self.spec) for n in names]
+        full_shapes = [mcore_full_shape(n, self.arch) for n in names]
         full: list[torch.Tensor] = []
         if stage == self.pp_rank:
-            local = [self.params[owner_stage(n, self.spec, self.pp)[1]].detach() for n in names]
+            local = [self.params[owner_stage(n, self.arch, self.pp)[1]].detach() for n in names]
             if self.tp == 1:
                 full = local
             else:
@@ -365,7 +365,7 @@ def _unshard(name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(pieces, dim=dim)
 
 
-def export_hf_weights(model: torch.nn.Module, spec: ModelSpec, bucket_bytes: int = 256 << 20,
+def export_hf_weights(model: torch.nn.Module, arch: ModelArch, bucket_bytes: int = 256 << 20,
                       select: Callable[[torch.nn.Parameter], torch.Tensor] = lambda p: p
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream HF-layout (name, full tensor) pairs gathered over TP and PP in buckets of at most
@@ -373,7 +373,7 @@ def export_hf_weights(model: torch.nn.Module, spec: ModelSpec, bucket_bytes: int
     tensor. `select` picks what is exported per parameter (default the weight; `lambda p: p.grad`
     exports gradients in HF layout)."""
     params = {n: select(p) for n, p in model.named_parameters()}
-    return mcore_to_hf_full(_BucketedGather(params, spec, int(bucket_bytes)), spec)
+    return mcore_to_hf_full(_BucketedGather(params, arch, int(bucket_bytes)), arch)
 
 
 def save_hf_checkpoint(named_tensors: Iterator[tuple[str, torch.Tensor]], src_dir: str, out_dir: str) -> None:

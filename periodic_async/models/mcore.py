@@ -1,6 +1,6 @@
 """Megatron-core GPTModel for Qwen2 / Qwen2.5 / Llama checkpoints.
 
-`ModelSpec` is the architecture read from a Hugging Face `config.json`; `build_gpt_model` maps it
+`ModelArch` is the architecture read from a Hugging Face `config.json`; `build_gpt_model` maps it
 onto Megatron-core's local layer spec (RMSNorm, SwiGLU, RoPE, GQA, optional QKV bias), the same
 mapping on every backend. The core-attention module is selectable: Megatron's local
 DotProductAttention, or shared-prompt attention (kernels/shared_prompt, docs/shared-prompt.md).
@@ -27,7 +27,7 @@ class UnsupportedModel(ValueError):
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelArch:
     arch: str                 # qwen2 | llama
     vocab_size: int
     hidden_size: int
@@ -44,15 +44,15 @@ class ModelSpec:
     eos_token_id: int | None = None
 
 
-def spec_from_hf_dir(path: str) -> ModelSpec:
+def arch_from_hf_dir(path: str) -> ModelArch:
     cfg_file = os.path.join(path, "config.json")
     if not os.path.exists(cfg_file):
         raise UnsupportedModel(f"model.path: {path} has no config.json (expected a Hugging Face model directory)")
     with open(cfg_file) as f:
-        return spec_from_hf_dict(json.load(f), source=cfg_file)
+        return arch_from_hf_dict(json.load(f), source=cfg_file)
 
 
-def spec_from_hf_dict(c: dict, source: str = "config.json") -> ModelSpec:
+def arch_from_hf_dict(c: dict, source: str = "config.json") -> ModelArch:
     model_type = c.get("model_type")
     if model_type not in ("qwen2", "llama"):
         raise UnsupportedModel(f"{source}: model_type '{model_type}' is not supported; allowed: qwen2, llama")
@@ -70,7 +70,7 @@ def spec_from_hf_dict(c: dict, source: str = "config.json") -> ModelSpec:
         raise UnsupportedModel(f"{source}: mlp_bias=true is not supported; allowed: false")
     heads = c["num_attention_heads"]
     eos = c.get("eos_token_id")
-    return ModelSpec(
+    return ModelArch(
         arch=model_type, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
         ffn_hidden_size=c["intermediate_size"], num_layers=c["num_hidden_layers"], num_heads=heads,
         num_kv_heads=c.get("num_key_value_heads") or heads,
@@ -82,15 +82,15 @@ def spec_from_hf_dict(c: dict, source: str = "config.json") -> ModelSpec:
         eos_token_id=eos[0] if isinstance(eos, list) else eos)
 
 
-def transformer_config(spec: ModelSpec, dtype: str = "float32"):
+def transformer_config(arch: ModelArch, dtype: str = "float32"):
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core import parallel_state
     params_dtype = torch_dtype(dtype)
     return TransformerConfig(
-        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads,
-        num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
-        normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps,
-        add_qkv_bias=spec.qkv_bias, add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size, num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim, ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps,
+        add_qkv_bias=arch.qkv_bias, add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
         hidden_dropout=0.0, attention_dropout=0.0,
         # Fused kernels are CUDA-only or absent on CPU; the unfused paths are exact.
         bias_activation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
@@ -107,20 +107,20 @@ def transformer_config(spec: ModelSpec, dtype: str = "float32"):
         calculate_per_token_loss=True)
 
 
-def stage_layers(spec: ModelSpec) -> range:
+def stage_layers(arch: ModelArch) -> range:
     """The global indices of the decoder layers this pipeline stage holds (equal split)."""
     from megatron.core import parallel_state as ps
     pp, rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    if spec.num_layers % pp:
-        raise ValueError(f"pipeline_model_parallel_size {pp} does not divide num_layers {spec.num_layers}")
-    per = spec.num_layers // pp
+    if arch.num_layers % pp:
+        raise ValueError(f"pipeline_model_parallel_size {pp} does not divide num_layers {arch.num_layers}")
+    per = arch.num_layers // pp
     return range(rank * per, (rank + 1) * per)
 
 
 CORE_ATTENTIONS = ("local", "shared_prompt")
 
 
-def build_gpt_model(spec: ModelSpec, dtype: str = "float32", core_attention: str = "local",
+def build_gpt_model(arch: ModelArch, dtype: str = "float32", core_attention: str = "local",
                     attention_impl: str = "sdpa"):
     """A Megatron-core GPTModel on the current TP/PP groups (parallel state must be initialised):
     this pipeline stage's layers (`stage_layers`), the embedding on the first stage, the final norm
@@ -143,11 +143,11 @@ def build_gpt_model(spec: ModelSpec, dtype: str = "float32", core_attention: str
         layer_spec = shared_prompt_layer_spec(layer_spec, attention_impl)
         model_cls = _position_rope_gpt_model_cls()
     return model_cls(
-        config=transformer_config(spec, dtype),
+        config=transformer_config(arch, dtype),
         transformer_layer_spec=layer_spec,
-        vocab_size=spec.vocab_size, max_sequence_length=spec.max_position_embeddings,
-        position_embedding_type="rope", rotary_base=int(spec.rope_theta),
-        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        vocab_size=arch.vocab_size, max_sequence_length=arch.max_position_embeddings,
+        position_embedding_type="rope", rotary_base=int(arch.rope_theta),
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage())
 
 

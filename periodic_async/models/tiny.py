@@ -53,3 +53,11 @@ def make_random_model_dir(out_dir: str, hidden: int, layers: int, heads: int, kv
         torch.manual_seed(seed)
         Qwen2ForCausalLM(cfg).save_pretrained(out_dir)
     return out_dir
+
+
+def tiny_arch(cfg: TinyModelConfig):
+    """The ModelArch the tiny model will have, known before its directory is written."""
+    from .mcore import arch_from_hf_dict
+    tok = build_char_tokenizer()
+    return arch_from_hf_dict(tiny_hf_config(cfg, len(tok), tok.eos_token_id, tok.pad_token_id).to_dict(),
+                             source="model.tiny")

@@ -1,4 +1,4 @@
-"""Reward of the built-in synthetic task (periodic_async/data/synthetic.py).
+"""Reward of the built-in synthetic task (data/synthetic.py).
 
 1.0   the response is exactly the answer digit (then end-of-sequence);
 0.5   it starts with the right digit but goes on;

@@ -1,1 +1,2 @@
-
+"""Rollout: base.py (request / result types, the engine interface), hf_engine.py and vllm_engine.py
+(the engines), worker.py (worker processes and the pool), weight_sync.py (broadcast sync)."""

@@ -1,4 +1,4 @@
-"""The rollout-engine interface, shared by the HF engine here and vLLM workers later.
+"""The rollout-engine interface (hf_engine.py, vllm_engine.py) and the request / result types.
 
 A request is one prompt with its own group size K (`n`), sampling parameters and seed; results
 come back one response at a time, as they finish, tagged with the policy version that made them.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -34,6 +34,10 @@ class RolloutRequest:
     # asks only for the missing ones, and later a pilot-commit allocator sends more in two phases.
     sample_indices: list[int] | None = None
 
+    def samples(self) -> list[int]:
+        """The sample indices k this request asks for."""
+        return list(self.sample_indices) if self.sample_indices is not None else list(range(self.n))
+
 
 @dataclass
 class RolloutResult:
@@ -53,16 +57,25 @@ def sample_seed(request_seed: int, sample_index: int) -> int:
 
 
 class RolloutEngine(abc.ABC):
-    """Generates responses with the current policy weights.
+    """Generates responses with the current policy weights, continuously batched.
 
-    generate(requests) yields one RolloutResult per (request, k) as soon as it is finished;
-    update_weights(named_tensors, version) loads HF-layout tensors (streamed, one at a time) and
-    tags subsequent results with `version`."""
+    serve(poll, initial, on_slots) is the worker's loop: it yields the list of results finished at
+    each engine step; between steps it calls poll() for newly arrived requests ([] for none, None
+    once no more will come) and reports the number of sequences in flight with on_slots(n); it
+    ends when nothing is pending or running and poll() returned None. generate(requests) is the
+    same for a fixed set of requests (the colocated `sync` mode). update_weights(named_tensors,
+    version) loads HF-layout tensors (streamed, one at a time) and tags later results with
+    `version`; it is called between batches, never with requests in flight."""
 
     policy_version: int = 0
 
     @abc.abstractmethod
-    def generate(self, requests: list[RolloutRequest]) -> Iterator[RolloutResult]: ...
+    def serve(self, poll: Callable[[], list[RolloutRequest] | None], initial: Iterable[RolloutRequest] = (),
+              on_slots: Callable[[int], None] | None = None) -> Iterator[list[RolloutResult]]: ...
+
+    def generate(self, requests: list[RolloutRequest]) -> Iterator[RolloutResult]:
+        for finished in self.serve(lambda: None, initial=requests):
+            yield from finished
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None: ...

@@ -82,10 +82,6 @@ class HFRolloutEngine(RolloutEngine):
         self.policy_version = version
 
     # ------------------------------------------------------------------ generation
-    def generate(self, requests: list[RolloutRequest]) -> Iterator[RolloutResult]:
-        for finished in self.serve(lambda: None, initial=requests):
-            yield from finished
-
     @torch.no_grad()
     def serve(self, poll: Callable[[], list[RolloutRequest] | None], initial: list[RolloutRequest] = (),
               on_slots: Callable[[int], None] | None = None) -> Iterator[list[RolloutResult]]:
@@ -98,7 +94,7 @@ class HFRolloutEngine(RolloutEngine):
 
         def admit(reqs):
             for r in reqs or ():
-                for k in (r.sample_indices if r.sample_indices is not None else range(r.n)):
+                for k in r.samples():
                     pending.append(_Seq(r, k, torch.Generator().manual_seed(sample_seed(r.seed, k))))
 
         admit(initial)

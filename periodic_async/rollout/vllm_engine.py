@@ -223,10 +223,6 @@ class VLLMRolloutEngine(RolloutEngine):
         return self._expected
 
     # ------------------------------------------------------------------ generation
-    def generate(self, requests: list[RolloutRequest]) -> Iterator[RolloutResult]:
-        for finished in self.serve(lambda: None, initial=requests):
-            yield from finished
-
     def _params(self, sp: SamplingParams, seed: int):
         from vllm import SamplingParams as VSP
         from vllm.sampling_params import RequestOutputKind
@@ -255,7 +251,7 @@ class VLLMRolloutEngine(RolloutEngine):
             for r in reqs:
                 check_fits(r, self.max_model_len)
             for r in reqs:
-                for k in (r.sample_indices if r.sample_indices is not None else range(r.n)):
+                for k in r.samples():
                     pending.append((r, k))
 
         admit(initial)

@@ -24,6 +24,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from ..backend import get_backend
+
 Layout = list[tuple[str, tuple[int, ...]]]
 
 
@@ -57,26 +59,12 @@ def pair_group(backend: str, store: dist.Store | None, address: str | None, key:
         host, port = address.rsplit(":", 1)
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
     prefixed = dist.PrefixStore(f"weight-sync/{key}/", store)
-    timeout = timedelta(seconds=timeout_s)
-    if backend == "cpu":
-        return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
-    if backend == "cuda":
-        return dist.ProcessGroupNCCL(prefixed, rank, 2, dist.ProcessGroupNCCL.Options())
-    if backend == "npu":
-        import torch_npu  # noqa: F401
-        return torch_npu._C._distributed_c10d.ProcessGroupHCCL(prefixed, rank, 2, timeout)  # type: ignore[attr-defined]
-    raise ValueError(f"weight sync: unknown backend '{backend}'")
-
-
-def _device_of(backend: str) -> torch.device:
-    if backend == "cpu":
-        return torch.device("cpu")
-    return torch.device(backend, getattr(torch, backend).current_device())
+    return get_backend(backend).pair_group(prefixed, rank, 2, timeout_s)
 
 
 def send_weights(group, backend: str, buf: torch.Tensor, plan) -> None:
     """Pool side: broadcast the flat host buffer to the group's worker, bucket by bucket."""
-    device = _device_of(backend)
+    device = get_backend(backend).current_device()
     for start, numel, _ in plan:
         bucket = buf[start:start + numel]
         if device.type != "cpu":
@@ -88,7 +76,7 @@ def recv_weights(group, backend: str, layout: Layout, plan, dtype: torch.dtype) 
     """Worker side: receive the buckets (in plan order) and yield each tensor as it arrives. Each
     is a copy: an engine may hold on to some tensors while it reads on (vLLM keeps parts of a
     fused weight across its loader's steps), and the receive buffer is reused for the next bucket."""
-    device = _device_of(backend)
+    device = get_backend(backend).current_device()
     largest = max(numel for _, numel, _ in plan)
     recv = torch.empty(largest, dtype=dtype, device=device)
     for _, numel, idx in plan:

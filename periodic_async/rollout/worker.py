@@ -2,7 +2,8 @@
 
 Each worker process owns a rollout engine on its own device (its own cores on CPU) and serves
 requests continuously: new requests join the running batch as slots free up. Results go back on
-one shared queue as each response finishes.
+the worker's own pipe as each response finishes (a queue shared by all workers would stay locked
+forever if a worker were killed while writing to it).
 
 Weight sync (one node): the trainer writes the policy's HF-layout tensors into ONE flat
 shared-memory buffer and tells every worker the new version; each worker copies from the buffer
@@ -31,6 +32,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.multiprocessing as mp
 
+from ..scheduling.staleness import STRICT, StalenessRule
 from .base import RolloutRequest, RolloutResult
 
 log = logging.getLogger(__name__)
@@ -41,7 +43,7 @@ class WorkerError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class WorkerSpec:
+class WorkerSettings:
     """Everything a worker process needs to build its engine (picklable)."""
     backend: str
     model_dir: str
@@ -74,8 +76,8 @@ def _views(buf: torch.Tensor, layout: Layout) -> Iterator[tuple[str, torch.Tenso
         offset += n
 
 
-def _dtype(spec: WorkerSpec) -> torch.dtype:
-    return getattr(torch, spec.dtype)
+def _dtype(settings: WorkerSettings) -> torch.dtype:
+    return getattr(torch, settings.dtype)
 
 
 def _die_with_parent() -> None:
@@ -88,7 +90,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker_main(wid: int, spec: WorkerSpec, placement: dict, inbox, outbox, buf: torch.Tensor | None,
+def _worker_main(wid: int, settings: WorkerSettings, placement: dict, inbox, outbox, buf: torch.Tensor | None,
                  layout: Layout, version: int, sync: tuple[str, str] | None = None) -> None:
     """`outbox` is this worker's own pipe to the pool: a worker killed mid-write can only break its
     own channel (a queue shared by all workers would stay locked forever)."""
@@ -96,19 +98,19 @@ def _worker_main(wid: int, spec: WorkerSpec, placement: dict, inbox, outbox, buf
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the trainer handles Ctrl-C and stops us
     try:
         from ..backend import get_backend
-        backend = get_backend(spec.backend)
+        backend = get_backend(settings.backend)
         device = backend.enter_placement(placement)
-        if spec.engine == "vllm":
+        if settings.engine == "vllm":
             from .vllm_engine import VLLMRolloutEngine, prepare_vllm_env
             prepare_vllm_env()     # before vllm is imported in this process
-            engine = VLLMRolloutEngine(spec.model_dir, spec.pad_token_id, spec.eos_token_id, spec.max_slots, device,
-                                       max_model_len=spec.max_model_len, load_format=spec.load_format,
-                                       kv_cache_gb=spec.kv_cache_gb)
+            engine = VLLMRolloutEngine(settings.model_dir, settings.pad_token_id, settings.eos_token_id, settings.max_slots, device,
+                                       max_model_len=settings.max_model_len, load_format=settings.load_format,
+                                       kv_cache_gb=settings.kv_cache_gb)
         else:
             from .hf_engine import HFRolloutEngine
-            engine = HFRolloutEngine(spec.model_dir, spec.pad_token_id, spec.eos_token_id, spec.max_slots, device)
+            engine = HFRolloutEngine(settings.model_dir, settings.pad_token_id, settings.eos_token_id, settings.max_slots, device)
         if sync is None:
-            if version > 0 or spec.load_format == "dummy":
+            if version > 0 or settings.load_format == "dummy":
                 engine.update_weights(_views(buf, layout), version)
             outbox.send(("ready", wid, os.getpid(), version))
         else:
@@ -117,10 +119,10 @@ def _worker_main(wid: int, spec: WorkerSpec, placement: dict, inbox, outbox, buf
             from . import weight_sync
             outbox.send(("ready", wid, os.getpid(), version))
             address, key = sync
-            group = weight_sync.pair_group(spec.backend, None, address, key, rank=1)
-            plan = weight_sync.bucket_plan(layout, spec.bucket_bytes, torch.empty((), dtype=_dtype(spec)).element_size())
-            receive = lambda: weight_sync.recv_weights(group, spec.backend, layout, plan, _dtype(spec))  # noqa: E731
-            if version > 0 or spec.load_format == "dummy":
+            group = weight_sync.pair_group(settings.backend, None, address, key, rank=1)
+            plan = weight_sync.bucket_plan(layout, settings.bucket_bytes, torch.empty((), dtype=_dtype(settings)).element_size())
+            receive = lambda: weight_sync.recv_weights(group, settings.backend, layout, plan, _dtype(settings))  # noqa: E731
+            if version > 0 or settings.load_format == "dummy":
                 engine.update_weights(receive(), version)
     except BaseException as e:  # noqa: BLE001 - reported to the pool, which raises it
         outbox.send(("error", wid, f"worker {wid} failed to start: {type(e).__name__}: {e}"))
@@ -160,10 +162,10 @@ def _worker_main(wid: int, spec: WorkerSpec, placement: dict, inbox, outbox, buf
         for finished in engine.serve(poll, on_slots=on_slots):
             for result in finished:
                 result.timings["worker"] = wid
-            if spec.arrival_jitter_s > 0:   # testing aid: send one at a time, in a shuffled order
+            if settings.arrival_jitter_s > 0:   # testing aid: send one at a time, in a shuffled order
                 rng.shuffle(finished)
                 for result in finished:
-                    time.sleep(rng.uniform(0, spec.arrival_jitter_s))
+                    time.sleep(rng.uniform(0, settings.arrival_jitter_s))
                     outbox.send(("results", wid, [result]))
             else:
                 outbox.send(("results", wid, finished))
@@ -185,15 +187,18 @@ class _Handle:
 class WorkerPool:
     """Parent-side owner of the rollout worker processes."""
 
-    def __init__(self, spec: WorkerSpec, placements: list[dict], layout: Layout, dtype: torch.dtype = torch.float32,
+    def __init__(self, settings: WorkerSettings, placements: list[dict], layout: Layout, dtype: torch.dtype = torch.float32,
                  worker_timeout_s: float = 120.0, startup_timeout_s: float = 300.0,
-                 initial_weights: Iterable[tuple[str, torch.Tensor]] | None = None):
+                 initial_weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+                 staleness: StalenessRule = STRICT):
         """initial_weights: version 0 in the shared buffer before the workers start (needed when
-        they start from dummy weights, spec.load_format == "dummy")."""
-        if spec.load_format == "dummy" and initial_weights is None:
+        they start from dummy weights, settings.load_format == "dummy"). staleness: which results
+        are delivered (scheduling/staleness.py); others are dropped and counted."""
+        if settings.load_format == "dummy" and initial_weights is None:
             raise ValueError("rollout workers with dummy weights need initial_weights for version 0")
-        self.spec, self.placements, self.layout = spec, placements, layout
+        self.settings, self.placements, self.layout = settings, placements, layout
         self.worker_timeout_s, self.startup_timeout_s = worker_timeout_s, startup_timeout_s
+        self.staleness = staleness
         self._ctx = mp.get_context("spawn")
         self._buf = torch.zeros(sum(math.prod(s) for _, s in layout), dtype=dtype).share_memory_()
         self.version = 0
@@ -210,10 +215,10 @@ class WorkerPool:
         self._keys: dict[int, str] = {}                       # wid -> its current pair group's name
         self._spawned = 0
         self._store = self._sync_address = None
-        if spec.weight_sync == "broadcast":
+        if settings.weight_sync == "broadcast":
             from . import weight_sync
             self._store, self._sync_address = weight_sync.serve_store()
-            self._plan = weight_sync.bucket_plan(layout, spec.bucket_bytes, self._buf.element_size())
+            self._plan = weight_sync.bucket_plan(layout, settings.bucket_bytes, self._buf.element_size())
         try:
             for wid in range(len(placements)):
                 self._spawn(wid)
@@ -234,13 +239,13 @@ class WorkerPool:
         inbox = self._ctx.Queue()
         reader, writer = self._ctx.Pipe(duplex=False)
         sync = None
-        if self.spec.weight_sync == "broadcast":
+        if self.settings.weight_sync == "broadcast":
             self._spawned += 1
             self._keys[wid] = f"worker{wid}-{self._spawned}"     # a fresh pair group per process
             self._pairs.pop(wid, None)
             sync = (self._sync_address, self._keys[wid])
         p = self._ctx.Process(target=_worker_main, name=f"rollout-worker-{wid}", daemon=True,
-                              args=(wid, self.spec, self.placements[wid], inbox, writer,
+                              args=(wid, self.settings, self.placements[wid], inbox, writer,
                                     self._buf if sync is None else None, self.layout, self.version, sync))
         p.start()
         writer.close()   # the worker holds the only write end: its death shows up as EOF here
@@ -296,7 +301,7 @@ class WorkerPool:
             raise WorkerError(msg[2])
         if msg[0] == "ready":
             self._workers[msg[1]].pid = msg[2]
-            if self.spec.weight_sync == "broadcast":
+            if self.settings.weight_sync == "broadcast":
                 self._pair_with(msg[1])
         elif msg[0] not in ("results", "updated"):
             # e.g. a worker running other code than the trainer (files changed under a running job)
@@ -306,11 +311,11 @@ class WorkerPool:
         """Broadcast sync: join a (re)started worker's pair group and send it the current weights
         unless it starts from them (the checkpoint at version 0)."""
         from . import weight_sync
-        group = weight_sync.pair_group(self.spec.backend, self._store, None, self._keys[wid], rank=0,
+        group = weight_sync.pair_group(self.settings.backend, self._store, None, self._keys[wid], rank=0,
                                        timeout_s=self.startup_timeout_s)
         self._pairs[wid] = group
-        if self.version > 0 or self.spec.load_format == "dummy":
-            weight_sync.send_weights(group, self.spec.backend, self._buf, self._plan)
+        if self.version > 0 or self.settings.load_format == "dummy":
+            weight_sync.send_weights(group, self.settings.backend, self._buf, self._plan)
 
     def _restart(self, wid: int, why: str) -> None:
         h = self._workers[wid]
@@ -330,17 +335,17 @@ class WorkerPool:
     # ------------------------------------------------------------------ generation
     def dispatch(self, requests: list[RolloutRequest]) -> None:
         """Send each request to the worker with the least outstanding samples."""
-        if self.spec.max_model_len is not None:
+        if self.settings.max_model_len is not None:
             from .vllm_engine import check_fits    # importable without vLLM
             for r in requests:
-                check_fits(r, self.spec.max_model_len)
+                check_fits(r, self.settings.max_model_len)
         load = {wid: 0 for wid in range(self.num_workers)}
         for w in self._owner.values():
             load[w] += 1
         per_worker: dict[int, list[RolloutRequest]] = {}
         for r in requests:
             wid = min(load, key=lambda w: (load[w], w))
-            ks = r.sample_indices if r.sample_indices is not None else list(range(r.n))
+            ks = r.samples()
             for k in ks:
                 self._owner[(r.group_index, k)] = wid
             load[wid] += len(ks)
@@ -367,8 +372,8 @@ class WorkerPool:
             wid = msg[1]
             for r in msg[2]:
                 key = (r.group_index, r.sample_index)
-                if self._owner.get(key) is None or r.policy_version != self.version:
-                    self.dropped_results += 1     # a late duplicate, or from before a weight sync
+                if self._owner.get(key) is None or not self.staleness.admit(r.policy_version, self.version):
+                    self.dropped_results += 1     # a late duplicate, or from a policy the rule refuses
                     continue
                 del self._owner[key]
                 self._workers[wid].last_progress = time.monotonic()
@@ -405,11 +410,11 @@ class WorkerPool:
         self.version = version
         for h in self._workers:
             h.inbox.put(("update", version))
-        if self.spec.weight_sync == "broadcast":
+        if self.settings.weight_sync == "broadcast":
             from . import weight_sync
             for wid in range(self.num_workers):
                 try:
-                    weight_sync.send_weights(self._pairs[wid], self.spec.backend, self._buf, self._plan)
+                    weight_sync.send_weights(self._pairs[wid], self.settings.backend, self._buf, self._plan)
                 except RuntimeError as e:   # the worker died: its restart receives version `version`
                     self._restart(wid, f"failed during the weight broadcast ({e})")
         self._await("updated", set(range(self.num_workers)), self.startup_timeout_s, version=version)

@@ -33,17 +33,15 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from ..algo import grpo
+from ..algo import LossInputs, PolicyLoss, build_policy_loss
+from ..backend import active_backend
 from ..config import ActorConfig
 from ..models.convert import export_hf_weights, load_hf_checkpoint
-from ..models.mcore import ModelSpec, build_gpt_model
-from .batch import MicroBatch
+from ..models.mcore import ModelArch, build_gpt_model
 from .logprobs import logprobs_entropy
+from .packing import MicroBatch, TrainSample, pack_micro_batch
 
 MODELS = ("policy", "old", "ref")
-# Loss-term sums returned per batch (divide by the batch normaliser); fixed so every rank reduces
-# the same keys whatever its pipeline stage.
-SUM_KEYS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/kl_loss", "actor/entropy", "actor/loss")
 
 
 class TriModelChunk(torch.nn.Module):
@@ -96,19 +94,23 @@ class TriModelChunk(torch.nn.Module):
         return torch.cat([o.to(outs[0].dtype) for o in outs], dim=1)  # [S, m*B, H]
 
 
-class TriModelEngine:
-    def __init__(self, cfg: ActorConfig, spec: ModelSpec, model_dir: str, dtype: str = "float32",
+class TriModelActor:
+    def __init__(self, cfg: ActorConfig, arch: ModelArch, model_dir: str, dtype: str = "float32",
                  device: torch.device | str = "cpu", temperature: float = 1.0, with_reference: bool = True,
-                 with_old: bool | None = None, attention_impl: str | None = None):
+                 with_old: bool | None = None, attention_impl: str | None = None, pad_token_id: int = 0,
+                 policy_loss: PolicyLoss | None = None):
         """attention_impl: shared-prompt kernel name; default: the active backend's attention_impl.
-        with_old: build the old-policy model (default: when ppo_epochs > 1 or the shortcut is off)."""
+        with_old: build the old-policy model (default: when ppo_epochs > 1 or the shortcut is off).
+        pad_token_id: the id `pack` pads with. policy_loss: the objective (default: the one
+        registered as `cfg.policy_loss`, algo/losses.py); the actor only calls it."""
         from megatron.core import parallel_state as ps
-        self.cfg, self.spec, self.device, self.temperature = cfg, spec, torch.device(device), temperature
+        self.cfg, self.arch, self.device, self.temperature = cfg, arch, torch.device(device), temperature
+        self.pad_token_id = pad_token_id
+        self.objective = policy_loss if policy_loss is not None else build_policy_loss(cfg.policy_loss, cfg)
         self.shared_prompt = bool(cfg.shared_prompt)
         model_kwargs = {}
         if self.shared_prompt:
             if attention_impl is None:
-                from ..backend import active_backend
                 attention_impl = active_backend().attention_impl
             model_kwargs = {"core_attention": "shared_prompt", "attention_impl": attention_impl}
         if with_old is None:
@@ -118,8 +120,8 @@ class TriModelEngine:
         self._host: dict[int, torch.Tensor] = {}     # id(param) -> host copy of a frozen weight
 
         def build(dt: str, frozen: bool):
-            model = build_gpt_model(spec, dt, **model_kwargs)
-            load_hf_checkpoint(model, spec, model_dir)
+            model = build_gpt_model(arch, dt, **model_kwargs)
+            load_hf_checkpoint(model, arch, model_dir)
             model.to(self.device)
             if frozen:
                 model.eval().requires_grad_(False)
@@ -142,7 +144,7 @@ class TriModelEngine:
         for p in model.parameters():
             host = self._host.get(id(p))
             if host is None:
-                host = torch.empty(p.shape, dtype=p.dtype, pin_memory=self.device.type != "cpu")
+                host = active_backend().host_buffer(p.shape, p.dtype)
                 self._host[id(p)] = host
             host.copy_(p.data)
             p.data = host
@@ -188,6 +190,13 @@ class TriModelEngine:
             out[name] = 0 if model is None or self.offload else nbytes(model.parameters())
         return out
 
+    # ------------------------------------------------------------------ packing
+    def pack(self, samples: list[TrainSample]) -> MicroBatch:
+        """One micro-batch of consecutive samples in this actor's layout: [prompt | response] rows,
+        or, with actor.shared_prompt, one [prompt | r1 | ... | rK] sequence per group (a group cut
+        by the micro-batch boundary is a smaller group, still exact)."""
+        return pack_micro_batch(samples, self.pad_token_id, self.shared_prompt)
+
     # ------------------------------------------------------------------ forward / loss
     def _logprobs(self, logits: torch.Tensor, mb: MicroBatch, with_entropy: bool):
         if mb.logit_index is not None:
@@ -202,33 +211,17 @@ class TriModelEngine:
         return mb.to(self.device)
 
     def _loss(self, mb: MicroBatch, normaliser: float, pre: dict, outputs: list[torch.Tensor]):
-        """Last stage: the GRPO loss of one micro-batch from the policy's logits and the frozen
+        """Last stage: the objective of one micro-batch from the policy's logits and the frozen
         models' log-probs (run here, or given in `pre`: the separate-passes design)."""
-        cfg = self.cfg
         outs = dict(zip(self.chunk.active, outputs))   # policy: logits; frozen: log-probs (the chunk)
         logp, entropy = self._logprobs(outs["policy"], mb, with_entropy=True)              # [B, S]
         for name in ("old", "ref"):
             if name in outs:
                 pre[name] = outs[name]
-        old_logp = pre["old"] if "old" in pre else logp.detach()
-        pg_tok, clipped = grpo.clipped_pg_loss(logp, old_logp, mb.advantages, cfg.clip_ratio)
-        pg_loss = grpo.aggregate(pg_tok, mb.loss_mask, cfg.loss_agg_mode, normaliser)
-        loss = pg_loss
-        m = {"actor/pg_loss": pg_loss.detach(),
-             "actor/pg_clipfrac": grpo.aggregate(clipped.float(), mb.loss_mask, cfg.loss_agg_mode, normaliser)}
-        if "ref" in pre:
-            ref_logp = pre["ref"]
-            kl = grpo.aggregate(grpo.kl_penalty(logp, ref_logp, cfg.kl_type), mb.loss_mask, cfg.loss_agg_mode,
-                                normaliser)
-            m["actor/kl_loss"] = kl.detach()
-            if cfg.kl_coef:
-                loss = loss + cfg.kl_coef * kl
-        ent = grpo.aggregate(entropy if cfg.entropy_coef else entropy.detach(), mb.loss_mask, cfg.loss_agg_mode,
-                             normaliser)
-        if cfg.entropy_coef:
-            loss = loss - cfg.entropy_coef * ent
-        m["actor/entropy"] = ent.detach()
-        m["actor/loss"] = loss.detach()
+        loss, m = self.objective(LossInputs(
+            logp=logp, entropy=entropy, old_logp=pre["old"] if "old" in pre else logp.detach(),
+            ref_logp=pre.get("ref"), rollout_logp=mb.rollout_logp, advantages=mb.advantages, mask=mb.loss_mask,
+            normaliser=normaliser))
         if mb.rollout_logp is not None and self.old_is_current:
             # the policy here is the one that generated: its probabilities should equal the engine's
             diff = (logp.detach().exp() - mb.rollout_logp.exp()).abs() * mb.loss_mask
@@ -259,7 +252,7 @@ class TriModelEngine:
         iterator may block: the trainer feeds groups as they finish). use_old: take the old
         log-probs from the old model (needed once the policy moved within the batch); otherwise
         the shortcut (old = detached policy) applies. Gradients accumulate until optimizer_step.
-        Returns the loss-term sums (SUM_KEYS, over micro-batches and DP ranks; divide by the
+        Returns the objective's metric sums (its metric_keys, over micro-batches and DP ranks; divide by the
         normaliser when micro-batches ran with normaliser 1) and the rollout/trainer probability
         check `training/rollout_probs_diff_mean` / `_max` (when the policy is the generating one).
 
@@ -288,14 +281,19 @@ class TriModelEngine:
 
     def _reduce_metrics(self, store: list[dict]) -> dict[str, float]:
         """Sum the last stage's per-micro-batch metrics over micro-batches, then over the whole job
-        (TP ranks of the last stage hold identical values, other stages none)."""
+        (TP ranks of the last stage hold identical values, other stages none). A key of the
+        objective that no micro-batch reported is left out."""
         from megatron.core import parallel_state as ps
-        sums = torch.zeros(len(SUM_KEYS) + 2, dtype=torch.float64)
+        keys = self.objective.metric_keys
+        n = len(keys)
+        # [sum of each key, how many micro-batches reported it, diff sum, diff count]
+        sums = torch.zeros(2 * n + 2, dtype=torch.float64)
         mx = torch.zeros(1, dtype=torch.float64)
         for m in store:
-            for i, k in enumerate(SUM_KEYS):
+            for i, k in enumerate(keys):
                 if k in m:
                     sums[i] += float(m[k])
+                    sums[n + i] += 1
             if "diff_sum" in m:
                 sums[-2] += float(m["diff_sum"])
                 sums[-1] += float(m["diff_count"])
@@ -304,7 +302,7 @@ class TriModelEngine:
             dist.all_reduce(sums)
             dist.all_reduce(mx, op=dist.ReduceOp.MAX)
             sums /= ps.get_tensor_model_parallel_world_size()
-        out = {k: float(sums[i]) for i, k in enumerate(SUM_KEYS) if k != "actor/kl_loss" or self.reference is not None}
+        out = {k: float(sums[i]) for i, k in enumerate(keys) if sums[n + i] > 0}
         if sums[-1] > 0:
             out["training/rollout_probs_diff_mean"] = float(sums[-2] / sums[-1])
             out["training/rollout_probs_diff_max"] = float(mx)
@@ -360,7 +358,7 @@ class TriModelEngine:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if self.pp > 1 and self.spec.tie_word_embeddings and (self.policy.pre_process or self.policy.post_process):
+        if self.pp > 1 and self.arch.tie_word_embeddings and (self.policy.pre_process or self.policy.post_process):
             # the first stage's embedding and the last stage's output layer are one weight
             w = self.policy.shared_embedding_or_output_weight()
             dist.all_reduce(w.grad, group=ps.get_embedding_group())
@@ -396,33 +394,24 @@ class TriModelEngine:
 
     def _unique_params(self, params):
         """Parameters counted once in the norm: the last stage's copy of a tied embedding is not."""
-        if self.pp > 1 and self.spec.tie_word_embeddings and self.policy.post_process and not self.policy.pre_process:
+        if self.pp > 1 and self.arch.tie_word_embeddings and self.policy.post_process and not self.policy.pre_process:
             dup = self.policy.shared_embedding_or_output_weight()
             return [p for p in params if p is not dup]
         return params
 
     @staticmethod
     def global_grad_norm(params: list[torch.nn.Parameter]) -> float:
-        """L2 norm of the full (unsharded) gradient: TP-sharded parameters' squares are summed over
-        the TP group, replicated ones (norms) counted once, then stages summed over the PP group."""
+        """L2 norm of the full (unsharded) gradient: Megatron's get_grad_norm_fp32 over the
+        model-parallel (TP x PP) group, replicated parameters (norms) counted on one TP rank only.
+        (Clipping stays ours: Megatron's clip_grad_by_total_norm_fp32 asserts CUDA tensors.)"""
         from megatron.core import parallel_state as ps
-        sharded = torch.zeros((), dtype=torch.float64)
-        replicated = torch.zeros((), dtype=torch.float64)
-        for p in params:
-            sq = p.grad.detach().double().square().sum().cpu()
-            if getattr(p, "tensor_model_parallel", False):
-                sharded += sq
-            else:
-                replicated += sq
-        if ps.get_tensor_model_parallel_world_size() > 1:
-            dist.all_reduce(sharded, group=ps.get_tensor_model_parallel_group())
-        total = sharded + replicated
-        if ps.get_pipeline_model_parallel_world_size() > 1:
-            dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
-        return float(total.sqrt())
+        from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        grads = [p.grad for p in params if param_is_not_tensor_parallel_duplicate(p)]
+        return float(get_grad_norm_fp32(grads, grad_stats_parallel_group=ps.get_model_parallel_group()))
 
     # ------------------------------------------------------------------ weights
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-layout (name, tensor) pairs of the policy, gathered over TP and PP in buckets of
         actor.export_bucket_mb; every rank must consume the iterator (collectives)."""
-        return export_hf_weights(self.policy, self.spec, int(self.cfg.export_bucket_mb * (1 << 20)))
+        return export_hf_weights(self.policy, self.arch, int(self.cfg.export_bucket_mb * (1 << 20)))

@@ -1,8 +1,4 @@
-"""Per-step metrics: one JSONL record per step, TensorBoard when installed, a console line.
-
-Names follow verl where one exists (actor/pg_loss, critic/score/mean, timing_s/gen,
-perf/throughput in tokens/s/device, ...); our own get their own prefix (reward/, rollout/).
-"""
+"""The metrics logger: one JSONL record per step, TensorBoard when installed, a console line."""
 from __future__ import annotations
 
 import json

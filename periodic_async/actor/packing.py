@@ -104,15 +104,15 @@ def pack_shared(groups: list[list[TrainSample]], pad_token_id: int, row_len: Opt
     """Each group (samples sharing one prompt) becomes [prompt | r1 | ... | rK]; several groups may
     share a row (first-fit, `row_len` defaults to the longest group). labels / loss_mask /
     advantages / logit_index are [N, L]: one row per sample, in the order of the input samples."""
-    spec = []
+    prompts_responses = []
     for gi, g in enumerate(groups):
         if not g:
             raise ValueError(f"pack_shared: group {gi} is empty")
         prompt = g[0].prompt_ids
         if any(s.prompt_ids != prompt for s in g):
             raise ValueError(f"pack_shared: the samples of group {gi} do not share one prompt")
-        spec.append((prompt, [s.response_ids for s in g]))
-    packed = pack_groups(spec, pad_token_id, row_len)
+        prompts_responses.append((prompt, [s.response_ids for s in g]))
+    packed = pack_groups(prompts_responses, pad_token_id, row_len)
     adv = torch.tensor([s.advantage for g in groups for s in g], dtype=torch.float32)
     advantages = adv[:, None].expand_as(packed.loss_mask).contiguous()
     rollout_logp = torch.zeros_like(packed.loss_mask)

@@ -11,7 +11,7 @@ class Group:
     group_index: int
     prompt_ids: list[int]
     answer: str
-    results: list[RolloutResult]             # K of them, sorted by sample_index
+    results: list[RolloutResult]             # K of them (K = this group's size), sorted by sample_index
     rewards: list[float] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)
 
@@ -20,11 +20,9 @@ class Group:
         return len(self.results)
 
     @property
-    def policy_version(self) -> int:
-        versions = {r.policy_version for r in self.results}
-        if len(versions) != 1:
-            raise RuntimeError(f"group {self.group_index} mixes policy versions {sorted(versions)}")
-        return versions.pop()
+    def policy_versions(self) -> list[int]:
+        """The version that generated each response (the staleness rule judges them)."""
+        return [r.policy_version for r in self.results]
 
 
 def collect_groups(results, prompts: dict[int, tuple[list[int], str]], sizes: dict[int, int]) -> list[Group]:

@@ -1,17 +1,16 @@
-"""The temporary data generator: between the data loader and the trainer.
+"""The producer (the temporary data generator): one batch plan in, scored groups out.
 
-A `GroupSource` turns one batch of prompts into scored groups for the trainer:
-- `ColocatedSource` (mode `sync`): the rollout engine lives in the trainer process; the whole batch
-  is generated, then scored, then handed over.
-- `WorkerSource` (modes `periodic` and `sync_split`): a producer thread dispatches the batch's
-  prompts to the rollout worker processes, assembles each prompt's K responses as they finish,
+- `ColocatedProducer` (mode `sync`): the rollout engine lives in the trainer process; the whole
+  batch is generated, then scored, then handed over.
+- `WorkerProducer` (modes `periodic` and `sync_split`): a producer thread dispatches the batch's
+  requests to the rollout worker processes, assembles each prompt's K responses as they finish,
   scores the complete group (off the trainer's critical path) and puts it on a bounded queue.
   In `periodic` the trainer consumes groups in completion order while the rest still generate;
   `sync_split` (the fair baseline on the same device split) hands groups over only once the whole
   batch is generated.
 
-`start(step)` is called only after the weights of version `step - 1` reached every worker, so a
-batch never mixes policies; every group carries the version that produced it.
+`start(plan)` is called only after the weights of version `plan.step - 1` reached every engine,
+so a batch never mixes policies; every result carries the version that produced it.
 """
 from __future__ import annotations
 
@@ -21,34 +20,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from ..algo import grpo
-from ..rollout.base import RolloutRequest, RolloutResult, SamplingParams
+from ..rollout.base import RolloutResult
 from .group import Group, collect_groups
-
-
-def request_seed(base_seed: int, step: int, group_index: int) -> int:
-    """Sampling seed of one prompt: a function of (seed, step, prompt) only, never of batching."""
-    return (base_seed * 1_000_003 + step) * 1_000_003 + group_index
+from .plan import BatchPlan
+from .scorer import Scorer
 
 
 @dataclass
-class BatchPlan:
-    """One batch's prompts, as requests, and what the groups need besides the results."""
-    step: int
-    requests: list[RolloutRequest]
-    answers: dict[int, str]
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.requests)
-
-    @property
-    def num_samples(self) -> int:
-        return sum(r.n for r in self.requests)
-
-
-@dataclass
-class SourceStats:
+class RolloutStats:
     """Rollout-side timings of one batch (perf_counter seconds, comparable across processes)."""
     t_dispatch: float = 0.0
     t_last_group: float = 0.0
@@ -62,27 +41,7 @@ class SourceStats:
         return self.t_last_group - self.t_dispatch
 
 
-class Scorer:
-    """Decodes responses, scores them with the reward manager, computes group advantages."""
-
-    def __init__(self, reward_manager, decode: Callable[[list[int]], str]):
-        self.reward, self.decode = reward_manager, decode
-
-    def score(self, groups: list[Group], stats: SourceStats) -> None:
-        t0 = time.perf_counter()
-        items = [(self.decode(r.response_ids), g.answer) for g in groups for r in g.results]
-        scored = self.reward.score(items)
-        it = iter(scored.scores)
-        for g in groups:
-            g.rewards = [next(it) for _ in g.results]
-        for g, adv in zip(groups, grpo.group_advantages([g.rewards for g in groups])):
-            g.advantages = adv
-        stats.reward_s += time.perf_counter() - t0
-        stats.num_errors += scored.num_errors
-        stats.num_timeouts += scored.num_timeouts
-
-
-class GroupSource:
+class GroupProducer:
     """start(plan) begins a batch; groups() yields its num_groups scored groups; close()."""
 
     def start(self, plan: BatchPlan) -> None:
@@ -95,23 +54,23 @@ class GroupSource:
         raise NotImplementedError
 
     @property
-    def stats(self) -> SourceStats:
+    def stats(self) -> RolloutStats:
         return self._stats
 
     def close(self) -> None:
         pass
 
 
-class ColocatedSource(GroupSource):
+class ColocatedProducer(GroupProducer):
     """Mode `sync`: generate the whole batch in-process, score it, then hand it over."""
 
     def __init__(self, engine, scorer: Scorer):
         self.engine, self.scorer = engine, scorer
         self._groups: list[Group] = []
-        self._stats = SourceStats()
+        self._stats = RolloutStats()
 
     def start(self, plan: BatchPlan) -> None:
-        self._stats = stats = SourceStats(t_dispatch=time.perf_counter())
+        self._stats = stats = RolloutStats(t_dispatch=time.perf_counter())
         results = list(self.engine.generate(plan.requests))
         stats.t_last_group = time.perf_counter()
         stats.results = results
@@ -130,27 +89,26 @@ class ColocatedSource(GroupSource):
 
 def _assemble(plan: BatchPlan, results) -> list[Group]:
     prompts = {r.group_index: (r.prompt_ids, plan.answers[r.group_index]) for r in plan.requests}
-    sizes = {r.group_index: r.n for r in plan.requests}
-    return collect_groups(results, prompts, sizes)
+    return collect_groups(results, prompts, plan.group_sizes)
 
 
 _DONE = object()
 
 
-class WorkerSource(GroupSource):
+class WorkerProducer(GroupProducer):
     """Modes `periodic` / `sync_split`: rollout worker processes fed by a producer thread."""
 
     def __init__(self, pool, scorer: Scorer, queue_size: int, wait_for_batch: bool):
         self.pool, self.scorer, self.wait_for_batch = pool, scorer, wait_for_batch
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._thread: threading.Thread | None = None
-        self._stats = SourceStats()
+        self._stats = RolloutStats()
         self._stop = threading.Event()
 
     def start(self, plan: BatchPlan) -> None:
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("a batch is still being generated; consume it before starting the next")
-        self._stats = SourceStats()
+        self._stats = RolloutStats()
         self._thread = threading.Thread(target=self._produce, args=(plan,), name="rollout-producer", daemon=True)
         self._thread.start()
 
@@ -206,9 +164,3 @@ class WorkerSource(GroupSource):
         self.pool.close()
         if self._thread is not None:
             self._thread.join(timeout=5)
-
-
-def make_plan(step: int, records, tokenize: Callable, n: int, sampling: SamplingParams, seed: int) -> BatchPlan:
-    requests = [RolloutRequest(i, tokenize(rec), n, sampling, request_seed(seed, step, i))
-                for i, rec in enumerate(records)]
-    return BatchPlan(step, requests, {i: rec.answer for i, rec in enumerate(records)})

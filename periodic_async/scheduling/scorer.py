@@ -1,0 +1,32 @@
+"""Scoring of complete groups: decode the responses, reward them, compute their advantages with
+the configured estimator (algo/advantages.py)."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from ..algo import compute_advantages
+from .group import Group
+
+
+class Scorer:
+    def __init__(self, reward_manager, decode: Callable[[list[int]], str], adv_estimator: str = "grpo",
+                 algo_cfg=None):
+        self.reward, self.decode = reward_manager, decode
+        self.adv_estimator, self.algo_cfg = adv_estimator, algo_cfg
+
+    def score(self, groups: list[Group], stats) -> None:
+        """Fill each group's rewards and advantages; add the time and error counts to `stats`
+        (a RolloutStats)."""
+        t0 = time.perf_counter()
+        items = [(self.decode(r.response_ids), g.answer) for g in groups for r in g.results]
+        scored = self.reward.score(items)
+        it = iter(scored.scores)
+        for g in groups:
+            g.rewards = [next(it) for _ in g.results]
+        advantages = compute_advantages(self.adv_estimator, [g.rewards for g in groups], self.algo_cfg)
+        for g, adv in zip(groups, advantages):
+            g.advantages = adv
+        stats.reward_s += time.perf_counter() - t0
+        stats.num_errors += scored.num_errors
+        stats.num_timeouts += scored.num_timeouts

@@ -1,0 +1,72 @@
+"""A step's rollout, reward and throughput metrics from its groups and timings.
+
+Names follow verl where one exists (critic/score/mean, response_length/mean, timing_s/gen,
+perf/throughput in tokens/s/device, training/off_policy/trajectory_staleness/mean); our own get
+their own prefix (reward/, rollout/, rollouter/, trainer/, perf/overlap_*).
+"""
+from __future__ import annotations
+
+import statistics
+
+
+def union_length(intervals) -> float:
+    """Total length covered by a set of [start, end] intervals."""
+    total, cur_a, cur_b = 0.0, None, None
+    for a, b in sorted(intervals):
+        if cur_b is None or a > cur_b:
+            if cur_b is not None:
+                total += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    if cur_b is not None:
+        total += cur_b - cur_a
+    return total
+
+
+def rollout_metrics(groups, stats, step_s: float, num_engines: int, restarts: int) -> dict:
+    """groups: the batch's scored groups; stats: its RolloutStats; num_engines: rollout engines
+    that generated it (for the idle ratio)."""
+    scores = [s for g in groups for s in g.rewards]
+    adv = [a for g in groups for a in g.advantages]
+    resp_len = [len(r.response_ids) for g in groups for r in g.results]
+    truncated = sum(r.finish_reason == "length" for g in groups for r in g.results)
+    busy: dict[int, list[tuple[float, float]]] = {}
+    for r in stats.results:
+        busy.setdefault(r.timings.get("worker", 0), []).append((r.timings["start"], r.timings["end"]))
+    busy_s = sum(union_length(iv) for iv in busy.values()) / max(1, num_engines)
+    return {
+        "critic/score/mean": statistics.fmean(scores), "critic/score/max": max(scores),
+        "critic/score/min": min(scores), "critic/rewards/mean": statistics.fmean(scores),
+        "critic/advantages/mean": statistics.fmean(adv), "critic/advantages/max": max(adv),
+        "critic/advantages/min": min(adv),
+        "response_length/mean": statistics.fmean(resp_len), "response_length/max": max(resp_len),
+        "response_length/min": min(resp_len), "response_length/clip_ratio": truncated / len(resp_len),
+        "prompt_length/mean": statistics.fmean(len(g.prompt_ids) for g in groups),
+        "rollout/group_size/mean": statistics.fmean(g.size for g in groups),
+        "rollout/solve_all_ratio": sum(max(g.rewards) >= 1.0 for g in groups) / len(groups),
+        "reward/num_errors": stats.num_errors, "reward/num_timeouts": stats.num_timeouts,
+        "timing_s/gen": stats.gen_s, "timing_s/reward": stats.reward_s,
+        "rollouter/idle_ratio": max(0.0, 1.0 - busy_s / step_s),
+        "rollouter/restarts": restarts,
+    }
+
+
+def overlap_metrics(gen_s: float, train_s: float, t_dispatch: float, t_train_end: float) -> dict:
+    """How much generation and training overlapped: gen + train - the wall time from dispatch to
+    the end of training, and that as a share of the shorter stage."""
+    overlap = max(0.0, gen_s + train_s - (t_train_end - t_dispatch))
+    return {"perf/overlap_s": overlap, "perf/overlap_ratio": overlap / max(1e-9, min(gen_s, train_s))}
+
+
+def throughput_metrics(groups, step_s: float, num_devices: int, trainer_version: int) -> dict:
+    """Tokens (prompt + response per sample) per second per device of the whole job, and the
+    samples' staleness (trainer version - 1 - generating version: 0 when strictly on-policy)."""
+    n_tokens = sum(len(r.prompt_ids) + len(r.response_ids) for g in groups for r in g.results)
+    staleness = [trainer_version - 1 - r.policy_version for g in groups for r in g.results]
+    return {
+        "perf/total_num_tokens": n_tokens,
+        "perf/throughput": n_tokens / step_s / num_devices,
+        "training/off_policy/trajectory_staleness/mean": float(statistics.fmean(staleness)),
+        "training/off_policy/trajectory_staleness/max": float(max(staleness)),
+    }

@@ -1,0 +1,121 @@
+"""One batch of training: the micro-batch stream, the PPO epochs, the batch normaliser.
+
+Epoch 1 consumes the groups as they arrive (completion order) and packs a micro-batch whenever
+`actor.micro_batch_size` of this DP rank's sequences are pending; the actor's pipeline schedule
+pulls them and blocks only when the next group is not done. Micro-steps sum unnormalised losses
+and the gradient is scaled once by the batch's normaliser (its response-token or sequence count)
+before the optimizer step, so neither arrival order nor micro-batch split changes anything but the
+floating-point summation order. Epochs 2.. replay the stored micro-batches against the old model
+(the policy at the batch's start), one optimizer step each.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ..actor.packing import TrainSample
+from ..algo import batch_normaliser
+from ..scheduling.group import Group
+from .feed import GroupFeed, assign_groups
+
+
+@dataclass
+class BatchResult:
+    metrics: dict                       # the objective's means, actor/grad_norm, actor/lr, probability check
+    groups: list[Group]                 # every group of the batch, in completion order
+    wait_s: float = 0.0                 # epoch 1 time spent waiting for the next group
+    train_s: float = 0.0                # training time (forward, backward, optimizer steps)
+    train_intervals: list[tuple[float, float]] = field(default_factory=list)  # when epoch 1 computed
+    t_train_end: float = 0.0            # end of epoch 1's schedule
+
+
+def num_micro_batches(sizes: dict[int, int], owner: dict[int, int], dp_rank: int, micro_batch_size: int) -> int:
+    """Micro-batches a DP rank runs in epoch 1: known up front (the pipeline schedule needs it)."""
+    mine = sum(k for g, k in sizes.items() if owner[g] == dp_rank)
+    return -(-mine // micro_batch_size)
+
+
+def _micro_batches(actor, feed: GroupFeed, owner: dict[int, int], dp_rank: int, check_group,
+                   micro_batch_size: int, out: BatchResult):
+    """Packed micro-batches of this DP rank's groups, in completion order, as they arrive."""
+    pending: list[TrainSample] = []
+    remaining = sum(1 for g in owner.values() if g == dp_rank)
+    t_resume = None
+    for _ in range(feed.n):
+        t0 = time.perf_counter()
+        g = feed.get()
+        out.wait_s += time.perf_counter() - t0
+        check_group(g)
+        out.groups.append(g)
+        if owner[g.group_index] == dp_rank:
+            remaining -= 1
+            pending += [TrainSample(r.prompt_ids, r.response_ids, a, r.logprobs, r.policy_version)
+                        for r, a in zip(g.results, g.advantages)]
+        while len(pending) >= micro_batch_size or (pending and remaining == 0):
+            mb = actor.pack(pending[:micro_batch_size])
+            pending = pending[micro_batch_size:]
+            t_yield = time.perf_counter()
+            if t_resume is not None:
+                out.train_intervals.append((t_resume, t_yield))
+            yield mb
+            t_resume = time.perf_counter()
+    if t_resume is not None:
+        out.train_intervals.append((t_resume, None))      # closed when the schedule returns
+
+
+def _tee(iterator, keep: list):
+    """Yield from `iterator`, keeping a copy of every item in `keep` (for the later PPO epochs)."""
+    for item in iterator:
+        keep.append(item)
+        yield item
+
+
+def train_batch(actor, feed: GroupFeed, cfg, dp_rank: int, dp_size: int, check_group) -> BatchResult:
+    """Train on one batch: `cfg` the ActorConfig; `check_group(group)` raises on a group that may
+    not be trained on (the staleness rule). Every group reaches every rank (feed); this DP rank
+    trains on those `assign_groups` gives it."""
+    owner = assign_groups(feed.sizes, dp_size)
+    n_mb = num_micro_batches(feed.sizes, owner, dp_rank, cfg.micro_batch_size)
+    out = BatchResult(metrics={}, groups=[])
+    actor.refresh_old()
+    # Epoch 1: consume groups as they arrive (old == policy: the old forward is skipped)
+    keep = [] if cfg.ppo_epochs > 1 else None
+    stream = _micro_batches(actor, feed, owner, dp_rank, check_group, cfg.micro_batch_size, out)
+    if keep is not None:
+        stream = _tee(stream, keep)
+    t0 = time.perf_counter()
+    sums = actor.forward_backward(stream, n_mb)
+    leftover = sum(1 for _ in stream)
+    feed.close()
+    out.t_train_end = time.perf_counter()
+    if out.train_intervals and out.train_intervals[-1][1] is None:
+        out.train_intervals[-1] = (out.train_intervals[-1][0], out.t_train_end)
+    if leftover:
+        raise RuntimeError(f"the batch packed {n_mb + leftover} micro-batches on DP rank {dp_rank}, {n_mb} expected "
+                           f"from its group sizes {sorted(feed.sizes.values())} (a group arrived with another K "
+                           "than its request?)")
+    out.train_s = out.t_train_end - t0 - out.wait_s
+
+    normaliser = batch_normaliser([len(r.response_ids) for g in out.groups for r in g.results], cfg.loss_agg_mode)
+    t0 = time.perf_counter()
+    epochs = [sums]
+    steps = [actor.optimizer_step(grad_scale=1.0 / normaliser)]
+    for _ in range(cfg.ppo_epochs - 1):
+        epochs.append(actor.forward_backward(keep, len(keep), use_old=True))
+        steps.append(actor.optimizer_step(grad_scale=1.0 / normaliser))
+    out.train_s += time.perf_counter() - t0
+    out.metrics = epoch_means(epochs, steps, normaliser)
+    return out
+
+
+def epoch_means(epochs: list[dict], steps: list[dict], normaliser: float) -> dict:
+    """The step's loss metrics: the objective's sums over the batch divided by the normaliser,
+    averaged over the PPO epochs, as are the grad norms; the probability check of epoch 1 (the
+    only epoch whose policy generated the batch); the learning rate of the first step."""
+    out = {k: v for k, v in epochs[0].items() if not k.startswith("actor/")}
+    for k in epochs[0]:
+        if k.startswith("actor/"):
+            out[k] = sum(e[k] for e in epochs) / normaliser / len(epochs)
+    out["actor/grad_norm"] = sum(s["actor/grad_norm"] for s in steps) / len(steps)
+    out["actor/lr"] = steps[0]["actor/lr"]
+    return out

@@ -1,0 +1,248 @@
+"""The training loop: build everything, then one batch per step, in three modes (`trainer.mode`).
+
+- periodic (default): a producer thread sends the batch's prompts to rollout worker processes;
+  complete, scored groups arrive on a bounded queue and the trainer runs their micro-steps
+  (gradient accumulation, train/step.py) in completion order while the rest still generate. The
+  optimizer steps once the whole batch is consumed; the new weights reach every worker (version
+  t+1) before the next batch is dispatched. Every sample of batch t comes from policy t.
+- sync_split: the same worker/trainer split, but training starts after the whole batch is
+  generated (the fair baseline for periodic).
+- sync: the rollout engine lives in the trainer process (colocated baseline).
+
+The three are the same computation (train/step.py says why). Every rank runs this loop; rank 0
+owns the rollout side and the reward workers and feeds every group to the other ranks
+(train/feed.py).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch.distributed as dist
+
+from ..actor.tri_model import TriModelActor
+from ..backend import get_backend
+from ..config import Config, config_to_dict
+from ..models.mcore import arch_from_hf_dir
+from ..models.tiny import tiny_arch
+from ..rollout.base import SamplingParams
+from ..scheduling.staleness import STRICT
+from ..telemetry import step_metrics
+from ..telemetry.logger import MetricsLogger
+from ..telemetry.timeline import Timeline
+from .feed import GroupFeed
+from .step import train_batch
+
+log = logging.getLogger(__name__)
+
+
+def drain(named_tensors) -> None:
+    """Consume a weight export on a rank that has nowhere to send it: every rank takes part in the
+    export's TP/PP gathers."""
+    for _ in named_tensors:
+        pass
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        # validate once, before anything is started or written: against the checkpoint's
+        # architecture (config.json) or the tiny model's
+        arch = arch_from_hf_dir(cfg.model.path) if cfg.model.path else tiny_arch(cfg.model.tiny)
+        cfg.validate(world_size=int(os.environ.get("WORLD_SIZE", "1")), num_heads=arch.num_heads,
+                     num_kv_heads=arch.num_kv_heads, vocab_size=arch.vocab_size, num_layers=arch.num_layers)
+        self.backend = get_backend(cfg.backend)
+        self.rank, self.world, self.local_rank = self.backend.init_distributed()
+        self.model_dir = self._prepare_run_dir()
+        self.arch = arch_from_hf_dir(self.model_dir)
+        self.backend.init_model_parallel(cfg.parallel.tensor_model_parallel_size,
+                                         cfg.parallel.pipeline_model_parallel_size, cfg.trainer.seed)
+        from megatron.core import parallel_state as ps
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        # groups go from rank 0 to every rank on their own (gloo) group: see train/feed.py
+        self.feed_group = dist.new_group(backend="gloo") if self.world > 1 else None
+
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        worker_placements, trainer_placement = self.backend.rollout_placements(
+            cfg.rollout.num_workers if cfg.trainer.mode != "sync" else 0, local_world)
+        self.device = self.backend.trainer_device(trainer_placement, self.local_rank, local_world)
+
+        from ..models.tokenizer import load_tokenizer
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.eos_id = self.tokenizer.eos_token_id
+        self.staleness = STRICT
+        self.actor = TriModelActor(cfg.actor, self.arch, self.model_dir, cfg.model.dtype, self.device,
+                                   temperature=cfg.rollout.temperature or 1.0, with_reference=True,
+                                   pad_token_id=self.pad_id)
+        self.version = 0
+        self.reward = self.producer = self.planner = None
+        self.timeline = Timeline()
+        # the workers' version 0: the policy's export, streamed into the pool's buffer on rank 0
+        initial = self.actor.export_weights() if cfg.trainer.mode != "sync" else None
+        if self.rank == 0:
+            self.planner = self._build_planner()
+            self.producer = self._build_producer(worker_placements, initial)
+        elif initial is not None:
+            drain(initial)
+        self.metrics = MetricsLogger(cfg.trainer.run_dir, cfg.trainer.tensorboard, enabled=self.rank == 0)
+
+    # ------------------------------------------------------------------ set-up
+    def _prepare_run_dir(self) -> str:
+        """Rank 0 writes config.yaml (every run) and, without model.path, the tiny model; returns
+        the model directory."""
+        path = self.cfg.model.path or os.path.join(self.cfg.trainer.run_dir, "model_init")
+        if self.rank == 0:
+            import yaml
+            os.makedirs(self.cfg.trainer.run_dir, exist_ok=True)
+            with open(os.path.join(self.cfg.trainer.run_dir, "config.yaml"), "w") as f:
+                yaml.safe_dump(config_to_dict(self.cfg), f, sort_keys=False)
+            if not self.cfg.model.path:
+                from ..models.tiny import make_tiny_model_dir
+                make_tiny_model_dir(self.cfg.model.tiny, path, self.cfg.model.init_seed)
+        dist.barrier()
+        return path
+
+    def _build_planner(self):
+        from ..data.dataset import PromptLoader, load_records
+        from ..scheduling.plan import BatchPlanner
+        cfg = self.cfg
+        loader = PromptLoader(load_records(cfg.data), cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)
+        sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k,
+                                  cfg.rollout.max_new_tokens, (self.eos_id,) if self.eos_id is not None else ())
+        return BatchPlanner(loader, self._tokenize_prompt, sampling, cfg.trainer.seed, default_n=cfg.rollout.n)
+
+    def _build_producer(self, placements, initial):
+        """initial: the policy's HF-layout (name, tensor) stream (version 0) for the workers; the
+        pool consumes it whole before it starts them."""
+        from ..reward.manager import RewardManager
+        from ..scheduling.producer import ColocatedProducer, WorkerProducer
+        from ..scheduling.scorer import Scorer
+        cfg = self.cfg
+        self.reward = RewardManager(cfg.reward)
+        scorer = Scorer(self.reward, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+                        cfg.algo.adv_estimator, cfg.algo)
+        if cfg.trainer.mode == "sync":
+            from ..rollout.hf_engine import HFRolloutEngine
+            engine = HFRolloutEngine(self.model_dir, self.pad_id, self.eos_id, cfg.rollout.max_slots, self.device)
+            return ColocatedProducer(engine, scorer)
+        from ..models.convert import hf_layout
+        from ..models.mcore import torch_dtype
+        from ..rollout.worker import WorkerPool, WorkerSettings
+        settings = WorkerSettings(cfg.backend, self.model_dir, self.pad_id, self.eos_id, cfg.rollout.max_slots,
+                                  cfg.rollout.arrival_jitter_s, engine=cfg.rollout.engine,
+                                  max_model_len=cfg.rollout.max_model_len, load_format=cfg.rollout.load_format,
+                                  kv_cache_gb=cfg.rollout.vllm_kv_cache_gb, weight_sync=cfg.rollout.weight_sync,
+                                  bucket_bytes=int(cfg.actor.export_bucket_mb * (1 << 20)), dtype=cfg.model.dtype)
+        pool = WorkerPool(settings, placements, hf_layout(self.arch), torch_dtype(cfg.model.dtype),
+                          cfg.rollout.worker_timeout_s, initial_weights=initial, staleness=self.staleness)
+        return WorkerProducer(pool, scorer, cfg.rollout.queue_size, wait_for_batch=cfg.trainer.mode == "sync_split")
+
+    def _tokenize_prompt(self, record) -> list[int]:
+        ids = self.tokenizer(record.prompt, add_special_tokens=False).input_ids
+        if len(ids) > self.cfg.data.max_prompt_length:
+            raise ValueError(f"data: prompt of record {record.index} has {len(ids)} tokens, more than "
+                             f"data.max_prompt_length={self.cfg.data.max_prompt_length}")
+        if not ids:
+            raise ValueError(f"data: prompt of record {record.index} is empty")
+        return ids
+
+    # ------------------------------------------------------------------ one step
+    def _check_group(self, group) -> None:
+        self.staleness.check(f"group {group.group_index}", group.policy_versions, self.version)
+
+    def step(self, step: int) -> dict:
+        cfg = self.cfg
+        t_step = time.perf_counter()
+        sizes = groups = None
+        if self.rank == 0:
+            plan = self.planner.plan(step)
+            self.producer.start(plan)
+            sizes, groups = plan.group_sizes, self.producer.groups()
+        feed = GroupFeed(sizes, groups, self.feed_group)
+        batch = train_batch(self.actor, feed, cfg.actor, self.dp_rank, self.dp_size, self._check_group)
+        metrics = dict(batch.metrics)
+        metrics["timing_s/update_actor"] = batch.train_s
+
+        t_sync = time.perf_counter()
+        self.sync_weights()
+        t_sync_end = time.perf_counter()
+        step_s = t_sync_end - t_step
+        metrics["timing_s/update_weights"] = t_sync_end - t_sync
+        metrics["timing_s/step"] = step_s
+        metrics["trainer/idle_ratio"] = batch.wait_s / step_s
+        if self.rank == 0:
+            stats = self.producer.stats
+            metrics.update(step_metrics.rollout_metrics(
+                batch.groups, stats, step_s, num_engines=cfg.rollout.num_workers if cfg.trainer.mode != "sync" else 1,
+                restarts=getattr(getattr(self.producer, "pool", None), "restarts", 0)))
+            metrics.update(step_metrics.overlap_metrics(stats.gen_s, batch.train_s, stats.t_dispatch,
+                                                        batch.t_train_end))
+            if cfg.trainer.record_timeline:
+                self.timeline.record_step(step, stats.results, batch.train_intervals, (t_sync, t_sync_end))
+        metrics.update(step_metrics.throughput_metrics(batch.groups, step_s, self._num_devices(), self.version))
+        metrics["training/policy_version"] = self.version
+        return metrics
+
+    def _num_devices(self) -> int:
+        """Trainer ranks plus rollout workers: throughput is per device of the whole job."""
+        return self.world + (self.cfg.rollout.num_workers if self.cfg.trainer.mode != "sync" else 0)
+
+    def sync_weights(self) -> None:
+        """Stream the new policy (HF layout) to the rollout side as version t+1; returns once
+        every engine holds it."""
+        self.version += 1
+        named = self.actor.export_weights()
+        if self.producer is not None:
+            self.producer.update_weights(named, self.version)
+        else:
+            drain(named)
+
+    # ------------------------------------------------------------------ the run
+    def fit(self) -> list[dict]:
+        cfg = self.cfg.trainer
+        history = []
+        bar = None
+        if self.rank == 0 and cfg.progress_bar:
+            from tqdm import tqdm
+            bar = tqdm(total=cfg.total_steps, desc=f"GRPO ({cfg.mode})", unit="step", dynamic_ncols=True)
+        try:
+            for step in range(1, cfg.total_steps + 1):
+                metrics = self.step(step)
+                history.append(metrics)
+                line = self.metrics.log(step, metrics)
+                if self.rank == 0:
+                    if bar is not None:
+                        bar.write(line)
+                        bar.update(1)
+                        bar.set_postfix(score=f"{metrics['critic/score/mean']:.3f}")
+                    else:
+                        print(line, flush=True)
+            if cfg.record_timeline and self.rank == 0:
+                self.timeline.write(os.path.join(cfg.run_dir, "timeline.jsonl"))
+            if cfg.save_final:
+                self.save_hf(os.path.join(cfg.run_dir, "final_hf"))
+        finally:
+            if bar is not None:
+                bar.close()
+            self.close()
+        return history
+
+    def save_hf(self, out_dir: str) -> None:
+        from ..models.convert import save_hf_checkpoint
+        named = self.actor.export_weights()
+        if self.rank == 0:
+            save_hf_checkpoint(named, self.model_dir, out_dir)
+        else:
+            drain(named)
+        dist.barrier()
+
+    def close(self) -> None:
+        self.metrics.close()
+        if self.producer is not None:
+            self.producer.close()
+            self.producer = None
+        if self.reward is not None:
+            self.reward.close()
+            self.reward = None
