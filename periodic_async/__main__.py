@@ -52,7 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     from .train.trainer import Trainer
     try:
         trainer = Trainer(cfg)
-    except (ConfigError, BackendUnavailable, UnsupportedModel) as e:
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except (BackendUnavailable, UnsupportedModel) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:

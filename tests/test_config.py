@@ -1,7 +1,10 @@
 """Config loading and validation: bad input is rejected before any model is built, naming the key."""
+import subprocess
+import sys
+
 import pytest
 
-from periodic_async.config import Config, ConfigError, load_config, parse_override
+from periodic_async.config import Config, ConfigError, config_to_dict, load_config, parse_override
 
 DEFAULT = "configs/default.yaml"
 
@@ -20,11 +23,42 @@ def test_cluster_configs_load(path):
     cfg.validate(world_size=tp * 4, num_heads=dims[0], num_kv_heads=dims[1], vocab_size=dims[2])
 
 
+def test_algo_section_and_policy_loss_load_typed():
+    cfg = load_config(DEFAULT, ["algo.adv_estimator=rloo", "algo.norm_adv_by_std_in_grpo=false",
+                                "algo.adv_eps=1e-8", "actor.policy_loss=grpo"]).validate(world_size=1)
+    assert cfg.algo.adv_estimator == "rloo" and cfg.algo.norm_adv_by_std_in_grpo is False
+    assert cfg.algo.adv_eps == pytest.approx(1e-8) and cfg.actor.policy_loss == "grpo"
+    assert config_to_dict(cfg)["algo"] == {"adv_estimator": "rloo", "norm_adv_by_std_in_grpo": False,
+                                           "adv_eps": pytest.approx(1e-8)}
+
+
+def test_a_registered_name_is_allowed():
+    """The allowed names are the algo registries' keys at validation time, not a fixed list."""
+    from periodic_async import algo
+    name = "test_config_mean_only"
+    algo.register_adv_estimator(name)(lambda rewards, cfg=None: [0.0 for _ in rewards])
+    try:
+        assert load_config(DEFAULT, [f"algo.adv_estimator={name}"]).validate(world_size=1).algo.adv_estimator == name
+    finally:
+        del algo.ADV_ESTIMATORS[name]
+
+
+def test_importing_the_config_is_cheap():
+    """`import periodic_async.config` pulls in neither torch nor megatron (checked in a fresh interpreter)."""
+    code = ("import sys, periodic_async.config; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'transformers')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_overrides_are_typed():
     cfg = load_config(DEFAULT, ["actor.lr=1e-4", "rollout.n=4", "trainer.run_dir=runs/x", "actor.betas=[0.9, 0.95]"])
     assert cfg.actor.lr == pytest.approx(1e-4) and cfg.rollout.n == 4
     assert cfg.trainer.run_dir == "runs/x" and cfg.actor.betas == (0.9, 0.95)
     assert parse_override("actor.kl_coef=0") == ("actor.kl_coef", 0)
+    assert parse_override("actor.lr=1e-3") == ("actor.lr", 1e-3)      # YAML 1.1 alone reads a string
+    assert parse_override("model.path=null") == ("model.path", None)
+    assert load_config(DEFAULT, ["actor.lr=1"]).actor.lr == 1.0 and isinstance(load_config(DEFAULT).actor.lr, float)
 
 
 @pytest.mark.parametrize("override, message", [
@@ -34,6 +68,15 @@ def test_overrides_are_typed():
     ("rollout.n=2.5", "rollout.n: expected an integer, got float 2.5"),
     ("trainer.tensorboard=3", "trainer.tensorboard: expected true or false"),
     ("model.tiny=5", "model.tiny: expected a mapping of TinyModelConfig fields"),
+    ("actor.betas=0.9", "actor.betas: expected a list of 2 numbers, got float 0.9"),
+    ("actor.betas=[0.9, 0.95, 0.99]", "actor.betas: expected a list of 2 numbers"),
+    ("actor.betas=[0.9, fast]", "actor.betas[1]: expected a number, got str 'fast'"),
+    ("model.path=3", "model.path: expected a string or null, got int 3"),
+    ("actor.lr=true", "actor.lr: expected a number, got bool True"),
+    ("algo.adv_eps=small", "algo.adv_eps: expected a number"),
+    ("algo.norm_adv_by_std_in_grpo=1", "algo.norm_adv_by_std_in_grpo: expected true or false"),
+    ("algo.baseline=mean", "algo.baseline: unknown key; allowed under 'algo': adv_eps, adv_estimator, "
+     "norm_adv_by_std_in_grpo"),
 ])
 def test_unknown_keys_and_wrong_types_name_the_key(override, message):
     with pytest.raises(ConfigError) as e:
@@ -79,6 +122,9 @@ def test_missing_file_and_bad_override_syntax(tmp_path):
     (["actor.frozen_dtype=fp8"], {}, "actor.frozen_dtype: 'fp8' is not allowed; allowed: same, bfloat16"),
     (["actor.ppo_epochs=0"], {}, "actor.ppo_epochs: must be >= 1, got 0"),
     (["actor.export_bucket_mb=0"], {}, "actor.export_bucket_mb: must be > 0"),
+    (["algo.adv_estimator=gae"], {}, "algo.adv_estimator: 'gae' is not allowed; allowed: grpo, rloo"),
+    (["actor.policy_loss=dpo"], {}, "actor.policy_loss: 'dpo' is not allowed; allowed: grpo"),
+    (["algo.adv_eps=0"], {}, "algo.adv_eps: must be > 0, got 0.0"),
 ])
 def test_impossible_combinations_rejected(overrides, kwargs, message):
     cfg = load_config(DEFAULT, overrides)
@@ -93,6 +139,7 @@ def test_cli_reports_config_error_and_builds_nothing(tmp_path, capsys):
     run_dir = tmp_path / "run"
     rc = main(["--config", DEFAULT, "rollout.n=1", f"trainer.run_dir={run_dir}"])
     assert rc == 2
+    # the Trainer validates (against the model's dimensions) before it starts or writes anything
     assert "config error: rollout.n: group size must be >= 2" in capsys.readouterr().err
     assert not run_dir.exists()
 

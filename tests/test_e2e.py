@@ -11,6 +11,8 @@ from periodic_async.config import load_config
 from periodic_async.telemetry.logger import read_metrics
 from periodic_async.train.trainer import Trainer
 
+from helpers import make_hf_model_dir
+
 REQUIRED = ["actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "critic/score/mean",
             "response_length/mean", "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights",
             "timing_s/step", "perf/throughput", "training/off_policy/trajectory_staleness/mean",
@@ -78,10 +80,16 @@ def test_reward_that_raises_is_scored_zero_and_training_goes_on(tmp_path):
     assert all(h["critic/score/max"] <= 1.0 for h in history)
 
 
-def test_config_saved_in_run_dir(tmp_path):
-    cfg = _cfg(tmp_path, "trainer.total_steps=1", "trainer.save_final=false")
+@pytest.mark.parametrize("own_model", [False, True])
+def test_config_saved_in_run_dir(tmp_path, own_model):
+    """Every run writes its config, with the tiny model or a checkpoint of its own (model.path)."""
+    extra = [f"model.path={make_hf_model_dir(tmp_path / 'ckpt', vocab=24, hidden=64, heads=2, kv_heads=2)}"] \
+        if own_model else []
+    cfg = _cfg(tmp_path, "trainer.total_steps=1", "trainer.save_final=false", *extra)
     Trainer(cfg).fit()
     import yaml
     saved = yaml.safe_load(open(tmp_path / "run" / "config.yaml"))
     assert saved["rollout"]["n"] == 4 and saved["trainer"]["total_steps"] == 1
+    assert saved["model"]["path"] == (str(tmp_path / "ckpt") if own_model else None)
+    assert os.path.exists(tmp_path / "run" / "model_init") != own_model
     assert not os.path.exists(tmp_path / "run" / "final_hf")

