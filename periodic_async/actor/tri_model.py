@@ -352,7 +352,9 @@ class TriModelActor:
     def finalize_grads(self, grad_scale: float = 1.0) -> None:
         """Make every rank's gradient the batch's full gradient: all-reduce the tied embedding's
         between the first and last pipeline stage and everything over DP, then multiply by
-        `grad_scale` (the batch normaliser's inverse when micro-steps ran with normaliser 1)."""
+        `grad_scale` (the batch normaliser's inverse when micro-steps ran with normaliser 1).
+        Not Megatron's finalize_model_grads: it drives DDP-wrapped chunks (`finish_grad_sync`,
+        main_grad buffers), and the policy here is a plain module with `.grad`s."""
         from megatron.core import parallel_state as ps
         params = [p for p in self.policy.parameters() if p.requires_grad]
         for p in params:
