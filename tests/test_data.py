@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -191,15 +190,13 @@ def test_load_records_file_sources(tmp_path: Path) -> None:
         load_records(DataConfig(source="parquet"))
 
 
-def test_load_records_synthetic_calls_make_records(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The synthetic module is owned elsewhere; a stand-in checks the dispatch and the arguments."""
-    calls: list[tuple] = []
-    fake = types.ModuleType("periodic_async.data.synthetic")
-    fake.make_records = lambda task_cfg, seed: calls.append((task_cfg, seed)) or _records(3)
-    monkeypatch.setitem(sys.modules, "periodic_async.data.synthetic", fake)
-    task = SyntheticTaskConfig(size=3)
-    assert load_records(DataConfig(source="synthetic", synthetic=task, seed=9)) == _records(3)
-    assert calls == [(task, 9)]
+def test_load_records_synthetic_is_the_seeded_task() -> None:
+    from periodic_async.data.synthetic import answer_for, make_records
+    task = SyntheticTaskConfig(size=5, num_digits=3)
+    records = load_records(DataConfig(source="synthetic", synthetic=task, seed=9))
+    assert records == make_records(task, seed=9) and len(records) == 5
+    assert records != make_records(task, seed=10)
+    assert all(r.answer == answer_for("next_digit", r.prompt[:-1]) and r.prompt.endswith("=") for r in records)
 
 
 # ---------------------------------------------------------------- PromptLoader

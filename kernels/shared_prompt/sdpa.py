@@ -14,7 +14,7 @@ Measured on 2 CPU cores the two are within ~10% of each other up to rows of ~1K 
 
 SDPA's boolean attn_mask means True = ATTEND, the opposite of Megatron's convention, so the dense
 Megatron-style mask is inverted here. (transformers' "eager" attention silently mishandles boolean
-4D masks - see the platform notes; this module never goes through HF attention.)
+4D masks; this module never goes through HF attention.)
 """
 from __future__ import annotations
 

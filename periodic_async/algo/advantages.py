@@ -6,26 +6,18 @@ may have different sizes K; each estimator sees one group at a time.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Sequence
 
-# name -> fn(rewards of one group, config) -> advantages of that group
-ADV_ESTIMATORS: dict[str, Callable[[Sequence[float], object], list[float]]] = {}
+from .registry import Registry
 
-
-def register_adv_estimator(name: str):
-    def add(fn):
-        if name in ADV_ESTIMATORS:
-            raise ValueError(f"advantage estimator '{name}' is registered twice")
-        ADV_ESTIMATORS[name] = fn
-        return fn
-    return add
+# name -> fn(rewards of one group, AlgoConfig or None) -> advantages of that group
+ADV_ESTIMATORS = Registry("algo.adv_estimator")
+register_adv_estimator = ADV_ESTIMATORS.register
 
 
 def compute_advantages(name: str, group_rewards: Sequence[Sequence[float]], cfg=None) -> list[list[float]]:
     """Advantages of each group with the estimator `name` (`cfg`: the AlgoConfig, or None for defaults)."""
-    if name not in ADV_ESTIMATORS:
-        raise ValueError(f"algo.adv_estimator: unknown '{name}'; allowed: {', '.join(sorted(ADV_ESTIMATORS))}")
-    fn = ADV_ESTIMATORS[name]
+    fn = ADV_ESTIMATORS.lookup(name)
     out = []
     for i, rewards in enumerate(group_rewards):
         if len(rewards) < 2:

@@ -20,22 +20,14 @@ from typing import Optional, Sequence
 
 import torch
 
-POLICY_LOSSES: dict[str, type] = {}
+from .registry import Registry
 
-
-def register_policy_loss(name: str):
-    def add(cls):
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss '{name}' is registered twice")
-        POLICY_LOSSES[name] = cls
-        return cls
-    return add
+POLICY_LOSSES = Registry("actor.policy_loss")     # name -> PolicyLoss subclass
+register_policy_loss = POLICY_LOSSES.register
 
 
 def build_policy_loss(name: str, cfg) -> "PolicyLoss":
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"actor.policy_loss: unknown '{name}'; allowed: {', '.join(sorted(POLICY_LOSSES))}")
-    return POLICY_LOSSES[name](cfg)
+    return POLICY_LOSSES.lookup(name)(cfg)
 
 
 @dataclass

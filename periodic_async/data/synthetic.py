@@ -1,7 +1,8 @@
 """The built-in verifiable task for the embedded CPU run.
 
-It has to be learnable by RL from random initialisation within a few minutes on 2 cores (see the
-platform notes: `a+b=` is not), so the answer is a simple function of ONE visible prompt token:
+It has to be learnable by RL from random initialisation within a few minutes on 2 cores (`a+b=`
+is not: a tiny random-init model only learns its format in 300 GRPO steps), so the answer is a
+simple function of ONE visible prompt token:
 
 - next_digit: prompt "4719=" -> answer "0" (the last digit plus one, mod 10).
 - copy_last:  prompt "4719=" -> answer "9".

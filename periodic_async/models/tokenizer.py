@@ -34,7 +34,7 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET, pad_to_multiple_of: i
 def load_tokenizer(path: str):
     """Load a model directory's tokenizer. Our char tokenizer is loaded with
     PreTrainedTokenizerFast directly: AutoTokenizer on a `qwen2` directory would substitute Qwen's
-    own class and change its behaviour (see platform notes)."""
+    own class and change its behaviour."""
     import json
     import os
     from transformers import AutoTokenizer
