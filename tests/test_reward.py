@@ -167,6 +167,10 @@ def test_workers_survive_errors_and_timeouts(reward_file: str, caplog: pytest.Lo
         assert "reward item 2: no result within timeout_s=1 s" in caplog.text
         assert "reward item 1: ValueError: boom from the reward fn" in caplog.text
 
+        # pebble starts the replacement just after it gives up on the item, so give it a moment
+        deadline = time.monotonic() + 5
+        while len(manager.worker_pids) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         pids_after = manager.worker_pids
         killed = set(pids_before) - set(pids_after)
         assert len(killed) == 1 and len(pids_after) == 2  # exactly the stuck worker was replaced
@@ -211,6 +215,7 @@ def test_gsm8k_reward_in_a_worker(gsm8k_records: list) -> None:
 @pytest.mark.parametrize("child_code, startup_timeout_s, message", [
     ("raise ImportError('only the parent has this')", 60.0, "could not load .*only the parent has this"),
     ("import time; time.sleep(30)", 1.0, "did not load .* within 1 s"),
+    ("import os; os._exit(7)", 60.0, "exited with code 7 while loading"),
 ])
 def test_worker_that_cannot_start_raises_and_closes(tmp_path: Path, child_code: str, startup_timeout_s: float,
                                                     message: str) -> None:

@@ -196,7 +196,9 @@ def test_tp2_equals_tp1_and_transformers(case, dirs, tp1, tp2):
     assert one["metrics"]["actor/kl_loss"] > 1e-3         # the KL term is live
     assert one["metrics"]["actor/grad_norm"] > 0
     full_norm = torch.cat([g.double().flatten() for g in one["grads"].values()]).norm().item()
-    assert one["metrics"]["actor/grad_norm"] == pytest.approx(full_norm, rel=1e-9)
+    # the norm is Megatron's get_grad_norm_fp32: squares summed and reduced in fp32 (HCCL has no
+    # float64): ~1e-7 relative error against the float64 norm of the full gradient
+    assert one["metrics"]["actor/grad_norm"] == pytest.approx(full_norm, rel=1e-6)
 
     # full HF-layout gradients
     assert two["replicated_grad_max_diff"] == 0.0          # norms: same gradient on every TP rank

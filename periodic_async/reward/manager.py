@@ -5,9 +5,12 @@ expression), so it runs in separate processes: an item that overruns `timeout_s`
 which is killed and replaced, and never the training run. A function that raises, or returns
 something that is not a finite number, scores 0.0 and is counted; training goes on.
 
-Workers are started EAGERLY, at construction, so that their start-up (spawn + imports, ~1-2 s)
-overlaps with model set-up. `score()` waits until a worker has loaded the reward function and
-reported ready before handing it an item, so start-up time never counts against an item's limit.
+The pool is pebble's ProcessPool: it runs each item with a time limit counted from the moment a
+worker takes it (so a worker's start-up never counts), kills and replaces a worker that overruns or
+dies, and loads the reward function once per worker (its `initializer`). On top of it, this module
+starts the workers EAGERLY, at construction, so that their start-up (spawn + imports, ~1-2 s)
+overlaps with model set-up, and checks that every worker did load the function: one that cannot,
+or takes longer than `startup_timeout_s`, means a broken environment and stops everything.
 """
 from __future__ import annotations
 
@@ -20,30 +23,32 @@ import math
 import multiprocessing as mp
 import numbers
 import os
-import signal
 import sys
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from concurrent import futures
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Optional
+
+from pebble import ProcessExpired, ProcessPool
 
 from periodic_async.config import RewardConfig
 
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, str], float]
-RewardSpec = tuple[str, str]  # (module name or path of a .py file, function name)
+RewardFnRef = tuple[str, str]  # (module name or path of a .py file, function name)
 
-BUILTIN_REWARDS: dict[str, RewardSpec] = {
+BUILTIN_REWARDS: dict[str, RewardFnRef] = {
     "synthetic": ("periodic_async.reward.synthetic", "compute_score"),
     "gsm8k": ("periodic_async.reward.gsm8k", "compute_score"),
 }
 # A worker that has not loaded the reward function by then is taken as broken (imports hang).
 STARTUP_TIMEOUT_S = 120.0
-_JOIN_TIMEOUT_S = 5.0
+_LOCK_TIMEOUT_S = 5.0  # how long close() waits for a score() running in another thread
+_POLL_S = 0.1          # how often score() checks on the workers while it waits for results
 
 
 class RewardFnError(ValueError):
@@ -51,7 +56,7 @@ class RewardFnError(ValueError):
 
 
 class RewardWorkerError(RuntimeError):
-    """A worker process could not start; the manager is closed when this is raised."""
+    """A worker process could not load the reward function; the manager is closed when this is raised."""
 
 
 @dataclass
@@ -63,8 +68,8 @@ class RewardBatch:
 
 # ---------------------------------------------------------------- resolving and loading
 
-def resolve_reward_fn(cfg: RewardConfig) -> RewardSpec:
-    """The (module-or-file, function) spec for `cfg.name`; the function is not imported here."""
+def resolve_reward_fn(cfg: RewardConfig) -> RewardFnRef:
+    """The (module-or-file, function) reference for `cfg.name`; nothing is imported here."""
     if cfg.name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[cfg.name]
     if cfg.name == "custom":
@@ -75,7 +80,7 @@ def resolve_reward_fn(cfg: RewardConfig) -> RewardSpec:
                         f"{', '.join([*BUILTIN_REWARDS, 'custom'])}")
 
 
-def _is_file_spec(target: str) -> bool:
+def _is_file_ref(target: str) -> bool:
     return target.endswith(".py") or os.sep in target
 
 
@@ -98,10 +103,10 @@ def _load_file_module(path: str) -> ModuleType:
     return module
 
 
-def load_reward_fn(spec: RewardSpec) -> RewardFn:
-    """Import the module or file of `spec` and return its function, failing with a clear message."""
-    target, fn_name = spec
-    if _is_file_spec(target):
+def load_reward_fn(fn_ref: RewardFnRef) -> RewardFn:
+    """Import the module or file of `fn_ref` and return its function, failing with a clear message."""
+    target, fn_name = fn_ref
+    if _is_file_ref(target):
         module = _load_file_module(target)
     else:
         try:
@@ -135,45 +140,45 @@ def _call_reward(fn: RewardFn, response: str, answer: str) -> tuple[float, Optio
         return 0.0, f"{type(e).__name__}: {e}"
 
 
-def _worker_main(conn: Connection, spec: RewardSpec) -> None:
-    """Worker process: load the fn once, report ready, then score one (index, response, answer)
-    task at a time until told to stop (None) or the pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+# ---------------------------------------------------------------- worker process
+
+_worker_fn: Optional[RewardFn] = None  # set once per worker process, by _init_worker
+
+
+def _init_worker(fn_ref: RewardFnRef, ready: Any) -> None:
+    """pebble initializer: load the fn and report on `ready` (a SimpleQueue) whether that worked.
+    Re-raising makes pebble end this worker before it takes any item."""
+    global _worker_fn
     try:
-        fn = load_reward_fn(spec)
-    except Exception as e:
-        conn.send(("load_error", f"{type(e).__name__}: {e}"))
-        return
-    conn.send(("ready", None))
-    while True:
-        try:
-            task = conn.recv()
-        except EOFError:
-            return
-        if task is None:
-            return
-        index, response, answer = task
-        conn.send(("result", index, *_call_reward(fn, response, answer)))
+        _worker_fn = load_reward_fn(fn_ref)
+    except BaseException as e:
+        ready.put(("load_error", os.getpid(), f"{type(e).__name__}: {e}"))
+        raise
+    ready.put(("ready", os.getpid(), None))
+
+
+def _score_in_worker(response: str, answer: str) -> tuple[float, Optional[str]]:
+    return _call_reward(_worker_fn, response, answer)
+
+
+def _pool_processes(pool: Optional[ProcessPool]) -> list:
+    """The live worker processes of `pool`. pebble exposes them only through private attributes
+    (5.2.3: pool._pool_manager.worker_manager.workers, a pid -> Process dict, kept up to date by its
+    manager thread), so they are read defensively: if that changes, this gives [] (and the tests
+    fail) instead of an error in the middle of a run."""
+    worker_manager = getattr(getattr(pool, "_pool_manager", None), "worker_manager", None)
+    workers = getattr(worker_manager, "workers", None)
+    return list(workers.values()) if isinstance(workers, dict) else []  # a copy: pebble's thread edits it
 
 
 # ---------------------------------------------------------------- manager
-
-@dataclass
-class _Worker:
-    process: Any  # multiprocessing.context.SpawnProcess
-    conn: Connection
-    started_at: float
-    ready: bool = False
-    item: Optional[int] = None  # index of the item being scored, None when idle
-    deadline: float = field(default=math.inf)
-
 
 class RewardManager:
     """Scores (response, gold_answer) pairs with the configured reward fn.
 
     num_workers >= 1: that many spawned worker processes, each item limited to `timeout_s` from the
-    moment it is handed to a ready worker. num_workers == 0: scored inline in the calling thread;
-    exceptions are handled the same way but timeouts are NOT enforced (a hanging fn hangs the caller).
+    moment a worker takes it. num_workers == 0: scored inline in the calling thread; exceptions are
+    handled the same way but timeouts are NOT enforced (a hanging fn hangs the caller).
     `score` may be called from any thread; calls are serialised by a lock. Use `close()` (or a
     `with` block) to stop the workers; an atexit hook does it too.
     """
@@ -185,14 +190,17 @@ class RewardManager:
             raise ValueError(f"reward.timeout_s: must be > 0, got {cfg.timeout_s}")
         self.cfg = cfg
         self.startup_timeout_s = startup_timeout_s
-        spec = resolve_reward_fn(cfg)
-        self._fn = load_reward_fn(spec)  # eager: a bad spec fails here, before training starts
+        fn_ref = resolve_reward_fn(cfg)
+        self._fn = load_reward_fn(fn_ref)  # eager: a bad reference fails here, before training starts
         # Workers may not share the parent's idea of a relative path; give them an absolute one.
-        self._spec: RewardSpec = (os.path.abspath(spec[0]), spec[1]) if _is_file_spec(spec[0]) else spec
+        if _is_file_ref(fn_ref[0]):
+            fn_ref = (os.path.abspath(fn_ref[0]), fn_ref[1])
+        self._fn_ref: RewardFnRef = fn_ref
         self._lock = threading.Lock()
         self._closed = False
-        self._ctx = mp.get_context("spawn")
-        self._workers: list[_Worker] = [self._start_worker() for _ in range(cfg.num_workers)]
+        self._pool: Optional[ProcessPool] = None
+        if cfg.num_workers > 0:
+            self._start_pool()
         atexit.register(self.close)
 
     # ------------------------------------------------------------ public
@@ -200,7 +208,7 @@ class RewardManager:
     @property
     def worker_pids(self) -> list[int]:
         """Pids of the current worker processes (replacements included), for monitoring and tests."""
-        return [w.process.pid for w in self._workers]
+        return [p.pid for p in _pool_processes(self._pool)]
 
     def score(self, items: list[tuple[str, str]]) -> RewardBatch:
         """Scores in input order; failures and timeouts score 0.0 and are counted, never raised."""
@@ -209,14 +217,14 @@ class RewardManager:
                 raise RuntimeError("RewardManager.score: the manager is closed")
             if not items:
                 return RewardBatch(scores=[])
-            if not self._workers:
+            if self._pool is None:
                 return self._score_inline(items)
             return self._score_in_workers(items)
 
     def close(self) -> None:
-        """Terminate and join every worker. Safe to call twice and from atexit; if another thread
-        is stuck inside score() the lock is not waited on for long, the workers are ended anyway."""
-        locked = self._lock.acquire(timeout=_JOIN_TIMEOUT_S)
+        """Stop and join every worker. Safe to call twice and from atexit; if another thread is
+        stuck inside score() the lock is not waited on for long, the workers are ended anyway."""
+        locked = self._lock.acquire(timeout=_LOCK_TIMEOUT_S)
         try:
             self._shutdown()
         finally:
@@ -247,37 +255,28 @@ class RewardManager:
 
     # ------------------------------------------------------------ workers
 
-    def _start_worker(self) -> _Worker:
-        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(target=_worker_main, args=(child_conn, self._spec),
-                                    name="reward-worker", daemon=True)
-        process.start()
-        child_conn.close()  # so that the parent sees EOF if the child dies
-        return _Worker(process=process, conn=parent_conn, started_at=time.monotonic())
+    def _start_pool(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._ready = ctx.SimpleQueue()  # ("ready" | "load_error", pid, error) from _init_worker
+        self._pool = ProcessPool(max_workers=self.cfg.num_workers, initializer=_init_worker,
+                                 initargs=(self._fn_ref, self._ready), context=ctx)
+        if not self._pool.active:  # reading `active` starts the workers now; pebble would wait for an item
+            raise RewardWorkerError("the reward worker pool did not start")
+        self._ready_pids: set[int] = set()
+        self._loading: dict[int, tuple[float, Any]] = {}  # pid -> (first seen, process), until ready
+        self._track_new_workers(time.monotonic())
 
-    @staticmethod
-    def _stop_worker(w: _Worker) -> None:
-        """SIGTERM, then SIGKILL if it lingers; always joined so no zombie or orphan remains."""
-        if w.process.is_alive():
-            w.process.terminate()
-            w.process.join(_JOIN_TIMEOUT_S)
-            if w.process.is_alive():
-                w.process.kill()
-        w.process.join()
-        w.conn.close()
-
-    def _replace(self, slot: int) -> None:
-        old = self._workers[slot]
-        if old.process.is_alive():
-            old.process.kill()  # the worker may be stuck in C code; SIGTERM could be ignored
-        self._stop_worker(old)
-        self._workers[slot] = self._start_worker()
+    def _stop_pool(self) -> None:
+        """SIGTERM to every worker (SIGKILL after 3 s), joined, so no zombie or orphan remains."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.stop()
+            pool.join()
+            self._ready.close()
 
     def _shutdown(self) -> None:
         """The body of close(), for callers that already hold the lock."""
-        for w in self._workers:
-            self._stop_worker(w)
-        self._workers = []
+        self._stop_pool()
         self._closed = True
         atexit.unregister(self.close)
 
@@ -286,109 +285,80 @@ class RewardManager:
         self._shutdown()
         raise RewardWorkerError(message)
 
+    def _track_new_workers(self, now: float) -> dict[int, Any]:
+        """The current workers by pid; those not seen before start their start-up clock now."""
+        current = {p.pid: p for p in _pool_processes(self._pool)}
+        for pid, process in current.items():
+            if pid not in self._ready_pids:
+                self._loading.setdefault(pid, (now, process))
+        return current
+
+    def _check_workers(self) -> bool:
+        """Raise RewardWorkerError if a worker could not load the fn, exited while loading it or has
+        not loaded it within startup_timeout_s; return False if the pool broke (pebble gives up on the
+        pool when a worker dies while no item is running, e.g. killed from outside)."""
+        if self._pool is None:
+            raise RuntimeError("RewardManager.score: the manager was closed during the call")
+        healthy = self._pool.active  # read first: a worker reports a load error before it exits
+        now = time.monotonic()
+        current = self._track_new_workers(now)  # before reading `ready`: what a gone worker sent is there
+        while not self._ready.empty():
+            status, pid, error = self._ready.get()
+            if status == "load_error":
+                self._fail_startup(f"reward worker pid {pid} could not load {self._fn_ref}: {error}")
+            self._ready_pids.add(pid)
+            self._loading.pop(pid, None)
+        for pid, (started_at, process) in self._loading.items():
+            if pid not in current:  # pebble only stops workers on an item (or at close): this one died
+                self._fail_startup(f"reward worker pid {pid} exited with code {process.exitcode} while "
+                                   f"loading {self._fn_ref}")
+            if now - started_at > self.startup_timeout_s:
+                self._fail_startup(f"reward worker pid {pid} did not load {self._fn_ref} within "
+                                   f"{self.startup_timeout_s:g} s")
+        return healthy
+
     def _score_in_workers(self, items: list[tuple[str, str]]) -> RewardBatch:
-        batch = RewardBatch(scores=[0.0] * len(items))
-        pending = deque(range(len(items)))
-        remaining = len(items)
+        if not self._check_workers():
+            logger.warning("reward worker pool broke while idle; starting a new one")
+            self._stop_pool()
+            self._start_pool()
+        pending = [self._pool.schedule(_score_in_worker, args=item, timeout=self.cfg.timeout_s)
+                   for item in items]
         try:
-            while remaining:
-                self._dispatch(pending, items)
-                self._wait_for_event()
-                remaining -= self._collect(batch)
-                remaining -= self._expire(batch)
+            not_done = set(pending)
+            while not_done:
+                not_done = futures.wait(not_done, timeout=_POLL_S).not_done
+                if not self._check_workers():
+                    break
         finally:
-            if remaining and not self._closed:  # interrupted (e.g. KeyboardInterrupt): drop in-flight work
-                for slot, w in enumerate(self._workers):
-                    if w.item is not None:
-                        self._replace(slot)
+            for future in pending:  # only if interrupted or broken: pebble stops workers still on them
+                future.cancel()
+        batch = RewardBatch(scores=[0.0] * len(items))
+        lost = sum(self._record_future(batch, index, future) for index, future in enumerate(pending))
+        if lost:
+            logger.warning("reward worker pool broke (a worker died while no item was running); %d of %d "
+                           "items scored 0.0; starting a new pool", lost, len(items))
+            self._stop_pool()
+            self._start_pool()
         return batch
 
-    def _dispatch(self, pending: deque, items: list[tuple[str, str]]) -> None:
-        """Hand pending items to ready idle workers; the item's clock starts now."""
-        for slot, w in enumerate(self._workers):
-            if not pending:
-                return
-            if not w.ready or w.item is not None:
-                continue
-            index = pending.popleft()
-            try:
-                w.conn.send((index, *items[index]))
-            except (OSError, ValueError):  # died while idle: requeue, its replacement will take it
-                pending.appendleft(index)
-                self._replace(slot)
-                continue
-            w.item, w.deadline = index, time.monotonic() + self.cfg.timeout_s
-
-    def _next_deadline(self) -> float:
-        deadlines = [w.deadline if w.item is not None else w.started_at + self.startup_timeout_s
-                     for w in self._workers if w.item is not None or not w.ready]
-        return min(deadlines, default=math.inf)
-
-    def _wait_for_event(self) -> None:
-        """Block until a worker writes, a worker exits, or the nearest deadline passes."""
-        handles: list[Any] = [w.conn for w in self._workers] + [w.process.sentinel for w in self._workers]
-        timeout = min(max(0.0, self._next_deadline() - time.monotonic()), 60.0)
-        wait(handles, timeout=timeout)
-
-    def _collect(self, batch: RewardBatch) -> int:
-        """Read every available message and detect dead workers; returns items finished."""
-        finished = 0
-        for slot in range(len(self._workers)):
-            w = self._workers[slot]
-            try:
-                while w.conn.poll():
-                    finished += self._handle_message(w, w.conn.recv(), batch)
-            except (EOFError, OSError):
-                pass  # the child closed its end: it is dead, handled below
-            if not w.process.is_alive():
-                finished += self._handle_death(slot, batch)
-        return finished
-
-    def _handle_message(self, w: _Worker, message: tuple, batch: RewardBatch) -> int:
-        tag = message[0]
-        if tag == "ready":
-            w.ready = True
-            return 0
-        if tag == "load_error":
-            self._fail_startup(f"reward worker pid {w.process.pid} could not load {self._spec}: {message[1]}")
-        _, index, score, error = message
-        if index != w.item:  # cannot happen: one task at a time per worker
-            raise RuntimeError(f"reward worker pid {w.process.pid} answered item {index}, expected {w.item}")
-        w.item, w.deadline = None, math.inf
-        self._record(batch, index, score, error)
-        return 1
-
-    def _handle_death(self, slot: int, batch: RewardBatch) -> int:
-        w = self._workers[slot]
-        if not w.ready:
-            self._fail_startup(f"reward worker pid {w.process.pid} exited with code {w.process.exitcode} "
-                               f"while loading {self._spec}")
-        index = w.item
-        self._replace(slot)
-        if index is None:
-            logger.warning("reward worker pid %d exited while idle (code %s); replaced", w.process.pid,
-                           w.process.exitcode)
-            return 0
-        batch.num_errors += 1
-        batch.scores[index] = 0.0
-        logger.warning("reward item %d: worker pid %d died (exit code %s); scored 0.0, worker replaced",
-                       index, w.process.pid, w.process.exitcode)
-        return 1
-
-    def _expire(self, batch: RewardBatch) -> int:
-        """Kill and replace workers past their item's deadline; fail if one never starts."""
-        now, finished = time.monotonic(), 0
-        for slot in range(len(self._workers)):
-            w = self._workers[slot]
-            if w.item is not None and now >= w.deadline:
-                batch.num_timeouts += 1
-                batch.scores[w.item] = 0.0
-                logger.warning("reward item %d: no result within timeout_s=%g s; scored 0.0, killing "
-                               "worker pid %d and starting a replacement", w.item, self.cfg.timeout_s,
-                               w.process.pid)
-                self._replace(slot)
-                finished += 1
-            elif not w.ready and now - w.started_at > self.startup_timeout_s:
-                self._fail_startup(f"reward worker pid {w.process.pid} did not load {self._spec} within "
-                                   f"{self.startup_timeout_s:g} s")
-        return finished
+    def _record_future(self, batch: RewardBatch, index: int, future: futures.Future) -> bool:
+        """Record one item's outcome; True if it was lost because the pool broke."""
+        error = BrokenProcessPool() if future.cancelled() else future.exception()  # done: never waits
+        if error is None:
+            self._record(batch, index, *future.result())
+            return False
+        if isinstance(error, BrokenProcessPool):
+            batch.num_errors += 1
+            return True
+        if isinstance(error, futures.TimeoutError):  # pebble's, the worker overran
+            batch.num_timeouts += 1
+            logger.warning("reward item %d: no result within timeout_s=%g s; scored 0.0, its worker was "
+                           "killed and replaced", index, self.cfg.timeout_s)
+        elif isinstance(error, ProcessExpired):
+            batch.num_errors += 1
+            logger.warning("reward item %d: worker pid %s died (exit code %s); scored 0.0, worker replaced",
+                           index, error.pid, error.exitcode)
+        else:
+            self._record(batch, index, 0.0, f"{type(error).__name__}: {error}")
+        return False
