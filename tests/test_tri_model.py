@@ -222,8 +222,9 @@ def test_a_registered_policy_loss_reaches_the_actor_by_name(model_dirs, megatron
     assert sorted(k for k in got if not k.startswith("training/")) == ["actor/pg_loss", "test/behaviour_logp_sum"]
     assert got["test/behaviour_logp_sum"] == pytest.approx(float((mb.rollout_logp * mb.loss_mask).sum()))
     assert got["actor/pg_loss"] == pytest.approx(want["actor/pg_loss"], rel=1e-6)
-    for n, p in mine.policy.named_parameters():
-        torch.testing.assert_close(p.grad, 3 * want_grads[n], rtol=1e-5, atol=1e-7, msg=lambda m: f"{n}: {m}")
+    for n, p in mine.policy.named_parameters():   # fp32 rounding of 3 * (sum) vs sum of 3 * (terms)
+        scale = float(want_grads[n].abs().max())
+        torch.testing.assert_close(p.grad, 3 * want_grads[n], rtol=1e-5, atol=1e-5 * scale, msg=lambda m: f"{n}: {m}")
 
 
 def test_old_policy_shortcut_equals_old_forward(model_dirs, megatron_tp1):

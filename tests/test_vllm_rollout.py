@@ -73,7 +73,7 @@ def test_dummy_weights_and_a_killed_worker_train_the_same(plain_run, tmp_path):
 
 def test_a_broken_weight_sync_is_visible_at_once(tmp_path):
     def hook(trainer):
-        pool = trainer.source.pool
+        pool = trainer.producer.pool
         # a prompt the engine cannot hold is refused at dispatch, with the lengths in the message
         from periodic_async.rollout.base import RolloutRequest, SamplingParams
         with pytest.raises(ValueError, match=r"prompt of 95 tokens \+ max_new_tokens 4 = 99 > max_model_len 96"):

@@ -8,8 +8,19 @@ nothing of GRPO; the scorer (periodic_async/scheduling) calls the estimator on e
 Register a new one with `@register_adv_estimator("name")` / `@register_policy_loss("name")`.
 """
 from .advantages import ADV_ESTIMATORS, compute_advantages, register_adv_estimator
-from .losses import (POLICY_LOSSES, LossInputs, PolicyLoss, aggregate, batch_normaliser, build_policy_loss,
-                     clipped_pg_loss, kl_penalty, register_policy_loss)
+
+_LOSSES = ("POLICY_LOSSES", "LossInputs", "PolicyLoss", "aggregate", "batch_normaliser", "build_policy_loss",
+           "clipped_pg_loss", "kl_penalty", "register_policy_loss")
+
+
+def __getattr__(name):
+    # losses.py needs torch; the estimators do not, so the scheduling side (and a simulator) can
+    # import this package without it
+    if name in _LOSSES:
+        from . import losses
+        return getattr(losses, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["ADV_ESTIMATORS", "compute_advantages", "register_adv_estimator", "POLICY_LOSSES", "LossInputs",
            "PolicyLoss", "aggregate", "batch_normaliser", "build_policy_loss", "clipped_pg_loss", "kl_penalty",

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
-import torch
+if TYPE_CHECKING:   # the types are torch-free, so the scheduling side can use them without torch
+    import torch
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class RolloutEngine(abc.ABC):
             yield from finished
 
     @abc.abstractmethod
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None: ...
+    def update_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]], version: int) -> None: ...
 
     def close(self) -> None:
         pass
