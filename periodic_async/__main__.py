@@ -58,8 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     except (BackendUnavailable, UnsupportedModel) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from .train.trainer import NonFiniteTraining
     try:
         history = trainer.fit()
+    except NonFiniteTraining as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted: rollout workers and reward processes stopped", file=sys.stderr)
         return 130

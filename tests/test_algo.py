@@ -86,3 +86,14 @@ def test_micro_batch_split_gives_the_same_loss_sum(mode):
     whole = algo.aggregate(vals, mask, mode, norm)
     parts = sum(algo.aggregate(vals[i:j], mask[i:j], mode, norm) for i, j in [(0, 1), (1, 4), (4, 6)])
     assert parts.item() == pytest.approx(whole.item(), abs=1e-6)
+
+
+def test_log_ratio_is_clamped_before_exp():
+    """A token whose log-ratio is far off (a stale or broken old log-prob) cannot overflow exp."""
+    logp = torch.tensor([0.0, 0.0], requires_grad=True)
+    old = torch.tensor([-200.0, 200.0])
+    loss, clipped = algo.clipped_pg_loss(logp, old, torch.tensor([-1.0, 1.0]), 0.2)
+    assert torch.isfinite(loss).all()
+    assert loss.tolist() == pytest.approx([math.exp(20.0), -math.exp(-20.0)], rel=1e-6)
+    loss.sum().backward()
+    assert torch.isfinite(logp.grad).all()

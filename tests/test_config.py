@@ -134,6 +134,17 @@ def test_impossible_combinations_rejected(overrides, kwargs, message):
     assert message in str(e.value)
 
 
+def test_bf16_frozen_old_model_with_the_shortcut_is_refused():
+    """frozen_dtype bf16 with ppo_epochs > 1: epoch 1's shortcut would use the policy as old, epochs
+    2.. the bf16 copy; allowed once every epoch uses the frozen old model."""
+    base = ["actor.frozen_dtype=bfloat16", "actor.ppo_epochs=2"]
+    with pytest.raises(ConfigError, match="actor.frozen_dtype: 'bfloat16' with actor.ppo_epochs > 1 needs "
+                                          "actor.old_logp_shortcut: false"):
+        load_config(DEFAULT, base).validate(world_size=1)
+    load_config(DEFAULT, base + ["actor.old_logp_shortcut=false"]).validate(world_size=1)
+    load_config(DEFAULT, ["actor.frozen_dtype=bfloat16"]).validate(world_size=1)
+
+
 def test_cli_reports_config_error_and_builds_nothing(tmp_path, capsys):
     from periodic_async.__main__ import main
     run_dir = tmp_path / "run"

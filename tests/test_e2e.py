@@ -93,3 +93,30 @@ def test_config_saved_in_run_dir(tmp_path, own_model):
     assert saved["model"]["path"] == (str(tmp_path / "ckpt") if own_model else None)
     assert os.path.exists(tmp_path / "run" / "model_init") != own_model
     assert not os.path.exists(tmp_path / "run" / "final_hf")
+
+
+def test_non_finite_gradients_skip_the_update_and_stop_the_run(tmp_path):
+    """A step whose gradient norm is not finite changes nothing and is counted; after
+    trainer.max_nonfinite_steps such steps in a row the run stops with a message saying why."""
+    from periodic_async import algo
+    from periodic_async.train.trainer import NonFiniteTraining
+
+    @algo.register_policy_loss("test_nan")
+    class NaNLoss(algo.losses.GRPOLoss):
+        def __call__(self, x):
+            loss, m = super().__call__(x)
+            return loss * float("nan"), m
+    try:
+        trainer = Trainer(_cfg(tmp_path, "actor.policy_loss=test_nan", "trainer.max_nonfinite_steps=2",
+                               "trainer.save_final=false"))
+        before = {n: p.detach().clone() for n, p in trainer.actor.policy.named_parameters()}
+        with pytest.raises(NonFiniteTraining, match=r"2 steps in a row \(up to step 2\) had a non-finite gradient "
+                                                   r"norm and were skipped \(trainer.max_nonfinite_steps=2\)"):
+            trainer.fit()
+    finally:
+        algo.POLICY_LOSSES.pop("test_nan")
+    for n, p in trainer.actor.policy.named_parameters():
+        assert torch.equal(p, before[n]), n
+    records = read_metrics(str(tmp_path / "run"))
+    assert [r["actor/step_skipped"] for r in records] == [1.0, 1.0]
+    assert [r["trainer/nonfinite_steps_in_a_row"] for r in records] == [1, 2]

@@ -383,11 +383,15 @@ class TriModelActor:
             scale = self.cfg.grad_clip / (grad_norm + 1e-6)
             for p in params:
                 p.grad.mul_(scale)
-        if math.isfinite(grad_norm):
+        # a non-finite norm (a NaN / inf loss or gradient anywhere: the norm is global) skips the
+        # update on every rank alike; the trainer counts such steps
+        finite = math.isfinite(grad_norm)
+        if finite:
             self.optimizer.step()
+            self.old_is_current = False
         self.optimizer.zero_grad(set_to_none=True)
-        self.old_is_current = False
-        return {"actor/grad_norm": grad_norm, "actor/lr": self.optimizer.param_groups[0]["lr"]}
+        return {"actor/grad_norm": grad_norm, "actor/lr": self.optimizer.param_groups[0]["lr"],
+                "actor/step_skipped": 0.0 if finite else 1.0}
 
     def optimizer_step(self, grad_scale: float = 1.0) -> dict[str, float]:
         """finalize_grads(grad_scale), then step_finalized()."""

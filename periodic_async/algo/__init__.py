@@ -16,9 +16,10 @@ _LOSSES = ("POLICY_LOSSES", "LossInputs", "PolicyLoss", "aggregate", "batch_norm
 def __getattr__(name):
     # losses.py needs torch; the estimators do not, so the scheduling side (and a simulator) can
     # import this package without it
-    if name in _LOSSES:
-        from . import losses
-        return getattr(losses, name)
+    if name in _LOSSES or name == "losses":
+        import importlib
+        losses = importlib.import_module(f"{__name__}.losses")
+        return losses if name == "losses" else getattr(losses, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -97,9 +97,10 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
 
 def clipped_pg_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                     clip_ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO-clip per-token loss max(-A r, -A clip(r, 1-e, 1+e)) with r = exp(logp - old_logp).
+    """PPO-clip per-token loss max(-A r, -A clip(r, 1-e, 1+e)) with r = exp(logp - old_logp), the
+    log-ratio clamped to [-20, 20] first (as verl) so that one far-off token cannot overflow exp.
     Returns (loss, clipped: bool where the clipped branch was taken), both shaped like logp."""
-    ratio = torch.exp(logp - old_logp)
+    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_ratio, 1.0 + clip_ratio)
     return torch.maximum(unclipped, clipped), clipped > unclipped

@@ -152,6 +152,9 @@ class TrainerConfig:
     save_final: bool = True     # export the final policy as a HF directory (run_dir/final_hf)
     progress_bar: bool = True
     record_timeline: bool = False  # write timeline.jsonl (generate / train / sync intervals)
+    # A step whose gradient norm is not finite is skipped (no optimizer update) and counted; this
+    # many in a row stop the run.
+    max_nonfinite_steps: int = 5
 
 
 @dataclass

@@ -46,6 +46,13 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
     _choice("trainer.mode", cfg.trainer.mode, ("periodic", "sync", "sync_split"))
     _choice("actor.frozen_dtype", cfg.actor.frozen_dtype, ("same", "bfloat16"))
     _positive("actor.ppo_epochs", cfg.actor.ppo_epochs)
+    if cfg.actor.frozen_dtype != "same" and cfg.actor.ppo_epochs > 1 and cfg.actor.old_logp_shortcut:
+        # epoch 1's shortcut takes the old log-probs from the policy (model.dtype), epochs 2.. from the
+        # frozen old model (frozen_dtype): the PPO ratio would change precision between epochs
+        raise ConfigError(f"actor.frozen_dtype: '{cfg.actor.frozen_dtype}' with actor.ppo_epochs > 1 needs "
+                          "actor.old_logp_shortcut: false, so that every epoch's old log-probs come from the "
+                          "same (frozen) old model")
+    _positive("trainer.max_nonfinite_steps", cfg.trainer.max_nonfinite_steps)
     if cfg.actor.export_bucket_mb <= 0:
         raise ConfigError(f"actor.export_bucket_mb: must be > 0, got {cfg.actor.export_bucket_mb}")
     if cfg.trainer.mode != "sync" and cfg.rollout.num_workers < 1:

@@ -52,11 +52,16 @@ def rollout_metrics(groups, stats, step_s: float, num_engines: int, restarts: in
     }
 
 
-def overlap_metrics(gen_s: float, train_s: float, t_dispatch: float, t_train_end: float) -> dict:
-    """How much generation and training overlapped: gen + train - the wall time from dispatch to
-    the end of training, and that as a share of the shorter stage."""
-    overlap = max(0.0, gen_s + train_s - (t_train_end - t_dispatch))
-    return {"perf/overlap_s": overlap, "perf/overlap_ratio": overlap / max(1e-9, min(gen_s, train_s))}
+def overlap_metrics(gen_interval: tuple[float, float], train_intervals) -> dict:
+    """How much generation and training ran at the same time: the length of the generation
+    interval [dispatch, last group scored] covered by the trainer's epoch-1 compute intervals (the
+    only training that can overlap: the optimizer steps wait for the whole batch), and that as a
+    share of the shorter of the two."""
+    g0, g1 = gen_interval
+    train = [(a, b) for a, b in train_intervals if b > a]
+    overlap = union_length([(max(a, g0), min(b, g1)) for a, b in train if min(b, g1) > max(a, g0)])
+    shorter = min(g1 - g0, union_length(train))
+    return {"perf/overlap_s": overlap, "perf/overlap_ratio": overlap / shorter if shorter > 0 else 0.0}
 
 
 def throughput_metrics(groups, step_s: float, num_devices: int, trainer_version: int) -> dict:

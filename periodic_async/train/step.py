@@ -25,7 +25,7 @@ class BatchResult:
     groups: list[Group]                 # every group of the batch, in completion order
     wait_s: float = 0.0                 # epoch 1 time spent waiting for the next group
     train_s: float = 0.0                # training time (forward, backward, optimizer steps)
-    train_intervals: list[tuple[float, float]] = field(default_factory=list)  # when epoch 1 computed
+    train_intervals: list = field(default_factory=list)  # (start, end) of each epoch-1 micro-step
     t_train_end: float = 0.0            # end of epoch 1's schedule
 
 
@@ -40,7 +40,6 @@ def _micro_batches(actor, feed: GroupFeed, owner: dict[int, int], dp_rank: int, 
     """Packed micro-batches of this DP rank's groups, in completion order, as they arrive."""
     pending: list[TrainSample] = []
     remaining = sum(1 for g in owner.values() if g == dp_rank)
-    t_resume = None
     for _ in range(feed.n):
         t0 = time.perf_counter()
         g = feed.get()
@@ -54,13 +53,13 @@ def _micro_batches(actor, feed: GroupFeed, owner: dict[int, int], dp_rank: int, 
         while len(pending) >= micro_batch_size or (pending and remaining == 0):
             mb = actor.pack(pending[:micro_batch_size])
             pending = pending[micro_batch_size:]
-            t_yield = time.perf_counter()
-            if t_resume is not None:
-                out.train_intervals.append((t_resume, t_yield))
+            # the schedule computes this micro-batch between the yield and its next request; the
+            # last one is closed by train_batch when the schedule returns
+            interval = [time.perf_counter(), None]
+            out.train_intervals.append(interval)
             yield mb
-            t_resume = time.perf_counter()
-    if t_resume is not None:
-        out.train_intervals.append((t_resume, None))      # closed when the schedule returns
+            if interval[1] is None:
+                interval[1] = time.perf_counter()
 
 
 def _tee(iterator, keep: list):
@@ -85,11 +84,12 @@ def train_batch(actor, feed: GroupFeed, cfg, dp_rank: int, dp_size: int, check_g
         stream = _tee(stream, keep)
     t0 = time.perf_counter()
     sums = actor.forward_backward(stream, n_mb)
-    leftover = sum(1 for _ in stream)
+    if out.train_intervals and out.train_intervals[-1][1] is None:
+        out.train_intervals[-1][1] = time.perf_counter()
+    leftover = sum(1 for _ in stream)      # the groups after this rank's last (other DP ranks')
     feed.close()
     out.t_train_end = time.perf_counter()
-    if out.train_intervals and out.train_intervals[-1][1] is None:
-        out.train_intervals[-1] = (out.train_intervals[-1][0], out.t_train_end)
+    out.train_intervals = [(a, b) for a, b in out.train_intervals]
     if leftover:
         raise RuntimeError(f"the batch packed {n_mb + leftover} micro-batches on DP rank {dp_rank}, {n_mb} expected "
                            f"from its group sizes {sorted(feed.sizes.values())} (a group arrived with another K "
@@ -111,11 +111,13 @@ def train_batch(actor, feed: GroupFeed, cfg, dp_rank: int, dp_size: int, check_g
 def epoch_means(epochs: list[dict], steps: list[dict], normaliser: float) -> dict:
     """The step's loss metrics: the objective's sums over the batch divided by the normaliser,
     averaged over the PPO epochs, as are the grad norms; the probability check of epoch 1 (the
-    only epoch whose policy generated the batch); the learning rate of the first step."""
+    only epoch whose policy generated the batch); the learning rate of the first step; whether
+    any optimizer step was skipped (non-finite gradient norm)."""
     out = {k: v for k, v in epochs[0].items() if not k.startswith("actor/")}
     for k in epochs[0]:
         if k.startswith("actor/"):
             out[k] = sum(e[k] for e in epochs) / normaliser / len(epochs)
     out["actor/grad_norm"] = sum(s["actor/grad_norm"] for s in steps) / len(steps)
     out["actor/lr"] = steps[0]["actor/lr"]
+    out["actor/step_skipped"] = max(s["actor/step_skipped"] for s in steps)   # 1: an update was skipped
     return out

@@ -37,6 +37,10 @@ from .step import train_batch
 log = logging.getLogger(__name__)
 
 
+class NonFiniteTraining(RuntimeError):
+    """trainer.max_nonfinite_steps steps in a row had a non-finite gradient norm."""
+
+
 def drain(named_tensors) -> None:
     """Consume a weight export on a rank that has nowhere to send it: every rank takes part in the
     export's TP/PP gathers."""
@@ -177,8 +181,8 @@ class Trainer:
             metrics.update(step_metrics.rollout_metrics(
                 batch.groups, stats, step_s, num_engines=cfg.rollout.num_workers if cfg.trainer.mode != "sync" else 1,
                 restarts=getattr(getattr(self.producer, "pool", None), "restarts", 0)))
-            metrics.update(step_metrics.overlap_metrics(stats.gen_s, batch.train_s, stats.t_dispatch,
-                                                        batch.t_train_end))
+            metrics.update(step_metrics.overlap_metrics((stats.t_dispatch, stats.t_last_group),
+                                                        batch.train_intervals))
             if cfg.trainer.record_timeline:
                 self.timeline.record_step(step, stats.results, batch.train_intervals, (t_sync, t_sync_end))
         metrics.update(step_metrics.throughput_metrics(batch.groups, step_s, self._num_devices(), self.version))
@@ -207,11 +211,23 @@ class Trainer:
         if self.rank == 0 and cfg.progress_bar:
             from tqdm import tqdm
             bar = tqdm(total=cfg.total_steps, desc=f"GRPO ({cfg.mode})", unit="step", dynamic_ncols=True)
+        skipped_in_a_row = 0
         try:
             for step in range(1, cfg.total_steps + 1):
                 metrics = self.step(step)
                 history.append(metrics)
+                skipped_in_a_row = skipped_in_a_row + 1 if metrics["actor/step_skipped"] else 0
+                metrics["trainer/nonfinite_steps_in_a_row"] = skipped_in_a_row
                 line = self.metrics.log(step, metrics)
+                if skipped_in_a_row:
+                    log.warning("step %d: gradient norm %s is not finite; the update was skipped (%d in a row)",
+                                step, metrics["actor/grad_norm"], skipped_in_a_row)
+                if skipped_in_a_row >= cfg.max_nonfinite_steps:
+                    raise NonFiniteTraining(
+                        f"{skipped_in_a_row} steps in a row (up to step {step}) had a non-finite gradient norm and "
+                        f"were skipped (trainer.max_nonfinite_steps={cfg.max_nonfinite_steps}); the policy is "
+                        "unchanged since. Check the learning rate, the rewards and model.dtype; metrics are in "
+                        f"{os.path.join(cfg.run_dir, 'metrics.jsonl')}")
                 if self.rank == 0:
                     if bar is not None:
                         bar.write(line)
