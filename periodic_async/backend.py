@@ -13,14 +13,19 @@ saying what is missing and how to install it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+
+_SPAWN_ENV_LOCK = threading.Lock()
 
 
 class BackendUnavailable(RuntimeError):
@@ -95,8 +100,11 @@ class Backend:
 
         cpu: the node's cores are split - each worker gets an equal share and the trainer the
         rest (at least one core each), so inference and training do not compete for cores.
-        cuda/npu: trainer local ranks use devices 0..trainer_procs-1, workers the next ones.
-        Returns ([worker placement], trainer placement); a placement is {"device", "cores"}."""
+        cuda/npu: trainer local ranks use devices 0..trainer_procs-1, workers one each of the
+        next ones, made the only device the worker sees (CUDA_VISIBLE_DEVICES /
+        ASCEND_RT_VISIBLE_DEVICES, set when it is spawned).
+        Returns ([worker placement], trainer placement); a placement is {"device", "cores"} and,
+        for a worker on an accelerator, "env"."""
         if self.name == "cpu":
             cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
             if num_workers == 0:
@@ -113,16 +121,38 @@ class Backend:
             workers = [{"device": "cpu", "cores": cores[len(cores) - (w + 1) * per_worker:len(cores) - w * per_worker]}
                        for w in range(num_workers)]
             return workers, {"device": "cpu", "cores": cores[:len(cores) - num_workers * per_worker]}
-        count = torch.cuda.device_count() if self.name == "cuda" else torch.npu.device_count()  # type: ignore[attr-defined]
+        count = self.device_count()
         if trainer_procs + num_workers > count:
             raise BackendUnavailable(f"{trainer_procs} trainer processes + {num_workers} rollout workers need "
                                      f"{trainer_procs + num_workers} {self.name} devices on this node; {count} visible")
-        workers = [{"device": f"{self.name}:{trainer_procs + w}", "cores": None} for w in range(num_workers)]
+        # A worker sees only its own device (set before torch or vLLM start in it), so vLLM, which
+        # takes the first visible device, cannot land on the trainer's; inside it is device 0.
+        visible = self.visible_devices()
+        workers = [{"device": f"{self.name}:0", "cores": None,
+                    "env": {self.visible_devices_var: visible[trainer_procs + w]}} for w in range(num_workers)]
         return workers, {"device": None, "cores": None}
+
+    @property
+    def visible_devices_var(self) -> str | None:
+        """The environment variable that limits which devices a process sees."""
+        return {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}.get(self.name)
+
+    def device_count(self) -> int:
+        if self.name == "cpu":
+            return 1
+        return getattr(torch, self.name).device_count()
+
+    def visible_devices(self) -> list[str]:
+        """The physical ids of this process's devices, in index order (the variable's list when set)."""
+        ids = os.environ.get(self.visible_devices_var or "", "")
+        ids = [i.strip() for i in ids.split(",") if i.strip()]
+        return ids if ids else [str(i) for i in range(self.device_count())]
 
     def enter_placement(self, placement: dict, processes_sharing: int = 1) -> torch.device:
         """Apply a placement to the calling process (core affinity + thread count, or the device);
-        `processes_sharing` processes (e.g. trainer ranks of one node) split the cores' threads."""
+        `processes_sharing` processes (e.g. trainer ranks of one node) split the cores' threads.
+        A placement's "env" (the visible devices) must be in the process's environment before torch
+        starts: `spawn_env` gives it to a process being spawned."""
         cores = placement.get("cores")
         if cores:
             os.sched_setaffinity(0, cores)
@@ -140,6 +170,24 @@ class Backend:
         if self.name == "cpu":
             return self.enter_placement(placement, local_world)
         return self.device(local_rank)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def spawn_env(placement: dict):
+        """The placement's environment variables set while a child process is spawned (it inherits
+        them at exec, before it imports anything); the parent's are restored afterwards."""
+        env = placement.get("env") or {}
+        with _SPAWN_ENV_LOCK:
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                yield
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
 
     # ------------------------------------------------------------------ distributed
     def init_distributed(self) -> tuple[int, int, int]:

@@ -53,7 +53,20 @@ def test_device_placement_needs_enough_devices(monkeypatch):
     from periodic_async.backend import _BACKENDS
     cuda = _BACKENDS["cuda"]          # the placement rule only; no CUDA needed
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     workers, _ = cuda.rollout_placements(num_workers=2, trainer_procs=2)
-    assert [w["device"] for w in workers] == ["cuda:2", "cuda:3"]
+    # each worker sees only its own device (index 0 inside it): trainer ranks keep devices 0 and 1
+    assert [w["device"] for w in workers] == ["cuda:0", "cuda:0"]
+    assert [w["env"] for w in workers] == [{"CUDA_VISIBLE_DEVICES": "2"}, {"CUDA_VISIBLE_DEVICES": "3"}]
+    # the node's own restriction is respected: physical ids, not indices
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    workers, _ = cuda.rollout_placements(num_workers=2, trainer_procs=2)
+    assert [w["env"] for w in workers] == [{"CUDA_VISIBLE_DEVICES": "6"}, {"CUDA_VISIBLE_DEVICES": "7"}]
     with pytest.raises(BackendUnavailable, match="2 trainer processes \\+ 3 rollout workers need 5 cuda devices"):
         cuda.rollout_placements(num_workers=3, trainer_procs=2)
+    npu = _BACKENDS["npu"]
+    monkeypatch.setattr(type(npu), "device_count", lambda self: 8)
+    monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)
+    workers, _ = npu.rollout_placements(num_workers=4, trainer_procs=4)
+    assert [w["env"] for w in workers] == [{"ASCEND_RT_VISIBLE_DEVICES": str(i)} for i in (4, 5, 6, 7)]
+    assert {w["device"] for w in workers} == {"npu:0"}

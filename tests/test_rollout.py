@@ -117,3 +117,26 @@ def test_update_weights_takes_effect_and_checks_names(model, tmp_path):
         engine.update_weights(iter([("model.bogus", torch.zeros(1))]), version=4)
     with pytest.raises(KeyError, match="no tensor received"):
         engine.update_weights(iter(named[:3]), version=4)
+
+
+def test_each_worker_process_starts_with_the_visible_devices_of_its_placement(model, tmp_path):
+    """The variable a placement asks for (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES on a
+    GPU / NPU node) is in each spawned worker's environment from its first instruction - before
+    torch or vLLM is imported - and the parent's environment is left as it was."""
+    import os
+    from periodic_async.models.convert import hf_layout
+    from periodic_async.models.mcore import arch_from_hf_dir
+    from periodic_async.rollout.worker import WorkerPool, WorkerSettings
+    path, tok = model
+    placements = [{"device": "cpu", "cores": None, "env": {"CUDA_VISIBLE_DEVICES": str(i),
+                                                            "ASCEND_RT_VISIBLE_DEVICES": str(i + 4)}}
+                  for i in (2, 3)]
+    before = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES")}
+    pool = WorkerPool(WorkerSettings("cpu", path, tok.pad_token_id, tok.eos_token_id, 4), placements,
+                      hf_layout(arch_from_hf_dir(path)))
+    try:
+        assert pool.placed == {0: {"device": "cpu", "env": {"CUDA_VISIBLE_DEVICES": "2", "ASCEND_RT_VISIBLE_DEVICES": "6"}},
+                               1: {"device": "cpu", "env": {"CUDA_VISIBLE_DEVICES": "3", "ASCEND_RT_VISIBLE_DEVICES": "7"}}}
+    finally:
+        pool.close()
+    assert {k: os.environ.get(k) for k in before} == before

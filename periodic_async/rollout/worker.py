@@ -80,6 +80,17 @@ def _dtype(settings: WorkerSettings) -> torch.dtype:
     return getattr(torch, settings.dtype)
 
 
+def _initial_env(names: list[str]) -> dict[str, str | None]:
+    """These variables as they were when this process started (Linux: /proc/self/environ), i.e.
+    before any import could have read them."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    except OSError:
+        return {n: os.environ.get(n) for n in names}
+    return {n: (env[n.encode()].decode() if n.encode() in env else None) for n in names}
+
+
 def _die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when its parent dies (no orphans even on SIGKILL)."""
     try:
@@ -100,6 +111,7 @@ def _worker_main(wid: int, settings: WorkerSettings, placement: dict, inbox, out
         from ..backend import get_backend
         backend = get_backend(settings.backend)
         device = backend.enter_placement(placement)
+        outbox.send(("placed", wid, {"device": str(device), "env": _initial_env(list(placement.get("env") or ()))}))
         if settings.engine == "vllm":
             from .vllm_engine import VLLMRolloutEngine, prepare_vllm_env
             prepare_vllm_env()     # before vllm is imported in this process
@@ -199,6 +211,7 @@ class WorkerPool:
         self.settings, self.placements, self.layout = settings, placements, layout
         self.worker_timeout_s, self.startup_timeout_s = worker_timeout_s, startup_timeout_s
         self.staleness = staleness
+        self.placed: dict[int, dict] = {}     # wid -> the device and visible-device variables it reported
         self._ctx = mp.get_context("spawn")
         self._buf = torch.zeros(sum(math.prod(s) for _, s in layout), dtype=dtype).share_memory_()
         self.version = 0
@@ -247,7 +260,9 @@ class WorkerPool:
         p = self._ctx.Process(target=_worker_main, name=f"rollout-worker-{wid}", daemon=True,
                               args=(wid, self.settings, self.placements[wid], inbox, writer,
                                     self._buf if sync is None else None, self.layout, self.version, sync))
-        p.start()
+        from ..backend import get_backend
+        with get_backend(self.settings.backend).spawn_env(self.placements[wid]):
+            p.start()
         writer.close()   # the worker holds the only write end: its death shows up as EOF here
         self._workers[wid] = _Handle(p, inbox, reader, pid=p.pid, last_progress=time.monotonic())
 
@@ -299,11 +314,13 @@ class WorkerPool:
     def _handle_side_message(self, msg) -> None:
         if msg[0] == "error":
             raise WorkerError(msg[2])
-        if msg[0] == "ready":
+        if msg[0] == "placed":
+            self.placed[msg[1]] = msg[2]
+        elif msg[0] == "ready":
             self._workers[msg[1]].pid = msg[2]
             if self.settings.weight_sync == "broadcast":
                 self._pair_with(msg[1])
-        elif msg[0] not in ("results", "updated"):
+        elif msg[0] not in ("results", "updated", "placed"):
             # e.g. a worker running other code than the trainer (files changed under a running job)
             raise WorkerError(f"unexpected message {msg[0]!r} from rollout worker {msg[1]}")
 
