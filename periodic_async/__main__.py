@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C, so that every `finally` runs and the rollout workers and reward
     # processes are stopped and joined (no orphans).
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    # and Ctrl-C / SIGINT does the same even when the launching shell ignored it (a background job)
+    signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
     from .models.mcore import UnsupportedModel
     from .train.trainer import Trainer
     try:

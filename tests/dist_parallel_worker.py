@@ -20,7 +20,7 @@ from dist_tp_worker import _exit_when_orphaned  # noqa: E402  (also guards this 
 import torch  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
-from helpers import tri_model_quantities  # noqa: E402
+from helpers import install_collective_guard, tri_model_quantities  # noqa: E402
 
 
 @record
@@ -37,6 +37,7 @@ def main() -> None:
     backend = get_backend("cpu")
     rank, world, _ = backend.init_distributed()
     backend.init_model_parallel(args.tp, args.pp, 0)
+    install_collective_guard()   # NCCL / HCCL rules: no float64, no tensor off the device
     for name, model_dir, ref_dir, shared in args.case:
         t0 = time.time()
         res = tri_model_quantities(model_dir, ref_dir, shared_prompt=shared == "1")

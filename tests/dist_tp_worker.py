@@ -34,7 +34,7 @@ from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E40
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from helpers import tp_parity_quantities  # noqa: E402
+from helpers import install_collective_guard, tp_parity_quantities  # noqa: E402
 
 
 @record   # torchrun's failure summary then carries the worker's traceback
@@ -52,6 +52,7 @@ def main() -> None:
     if world % args.tp:
         raise SystemExit(f"world size {world} is not divisible by --tp {args.tp}")
     backend.init_model_parallel(args.tp, 1, args.seed)
+    install_collective_guard()   # NCCL / HCCL rules: no float64, no tensor off the device
     for name, model_dir, ref_dir in args.case:
         t0 = time.time()
         res = tp_parity_quantities(model_dir, ref_dir if ref_dir != "-" else None)

@@ -5,7 +5,8 @@ test file itself):
         --sizes 2,4,8 CONFIG [key=value ...]
 
 `python -m periodic_async` with one test hook: rank 0's planner gives prompt i of every batch
-K = sizes[i % len(sizes)] (helpers.mixed_k_hook).
+K = sizes[i % len(sizes)] (helpers.mixed_k_hook); and every tensor collective checked against the
+NCCL / HCCL rules (helpers.install_collective_guard).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from dist_tp_worker import _exit_when_orphaned  # noqa: E402,F401  (also guards 
 
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
-from helpers import mixed_k_hook  # noqa: E402
+from helpers import install_collective_guard, mixed_k_hook  # noqa: E402
 
 
 @record
@@ -30,8 +31,11 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     import torch.distributed as dist
+    from periodic_async.backend import get_backend
     from periodic_async.config import load_config
     from periodic_async.train.trainer import Trainer
+    get_backend("cpu")
+    install_collective_guard()   # NCCL / HCCL rules: no float64, no tensor off the device
     trainer = Trainer(load_config(args.config, args.overrides))
     mixed_k_hook(tuple(int(k) for k in args.sizes.split(",")))(trainer)
     trainer.fit()

@@ -298,3 +298,43 @@ def mixed_k_hook(sizes=(2, 4, 8)):
         if trainer.planner is not None:
             trainer.planner.group_sizer = CyclingGroupSize(sizes)
     return hook
+
+
+# ---------------------------------------------------------------------- accelerator rules on CPU
+
+
+def install_collective_guard(device=None):
+    """Make every tensor collective raise when NCCL / HCCL would refuse its tensor: gloo (the CPU
+    stand-in) takes float64 and tensors on any device, HCCL has no float64, and neither NCCL nor
+    HCCL takes a tensor off the process's device (`device`, default the backend's). Object
+    collectives (broadcast_object_list, on the trainer's gloo feed group) are what they are; isend /
+    irecv are checked through batch_isend_irecv (P2POp refuses a wrapped isend)."""
+    import torch.distributed as dist
+    from periodic_async.backend import active_backend
+    expected = torch.device(device) if device is not None else active_backend().current_device()
+
+    def check(op, tensors):
+        for t in tensors:
+            if t.dtype == torch.float64:
+                raise TypeError(f"dist.{op} on a float64 tensor {tuple(t.shape)}: HCCL has no float64")
+            if t.device != expected:
+                raise TypeError(f"dist.{op} on a tensor on {t.device}: NCCL / HCCL need it on {expected}")
+
+    def wrap(op, pick):
+        real = getattr(dist, op)
+
+        def guarded(*args, **kwargs):
+            check(op, pick(*args, **kwargs))
+            return real(*args, **kwargs)
+        setattr(dist, op, guarded)
+
+    first = lambda t, *a, **k: [t]                                  # noqa: E731
+    wrap("all_reduce", first)
+    wrap("broadcast", first)
+    wrap("reduce", first)
+    wrap("send", first)
+    wrap("recv", first)
+    wrap("all_gather", lambda out, t, *a, **k: [t, *out])
+    wrap("all_gather_into_tensor", lambda out, t, *a, **k: [out, t])
+    wrap("reduce_scatter_tensor", lambda out, t, *a, **k: [out, t])
+    wrap("batch_isend_irecv", lambda ops, *a, **k: [op.tensor for op in ops])

@@ -286,9 +286,11 @@ class TriModelActor:
         from megatron.core import parallel_state as ps
         keys = self.objective.metric_keys
         n = len(keys)
-        # [sum of each key, how many micro-batches reported it, diff sum, diff count]
-        sums = torch.zeros(2 * n + 2, dtype=torch.float64)
-        mx = torch.zeros(1, dtype=torch.float64)
+        # [sum of each key, how many micro-batches reported it, diff sum, diff count], summed here
+        # in Python floats and reduced as one fp32 tensor on the device: legal on NCCL and HCCL
+        # (no CPU tensors, no float64 there)
+        sums = [0.0] * (2 * n + 2)
+        mx = 0.0
         for m in store:
             for i, k in enumerate(keys):
                 if k in m:
@@ -297,12 +299,13 @@ class TriModelActor:
             if "diff_sum" in m:
                 sums[-2] += float(m["diff_sum"])
                 sums[-1] += float(m["diff_count"])
-                mx = torch.maximum(mx, torch.tensor([float(m["diff_max"])], dtype=torch.float64))
+                mx = max(mx, float(m["diff_max"]))
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(sums)
-            dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-            sums /= ps.get_tensor_model_parallel_world_size()
-        out = {k: float(sums[i]) for i, k in enumerate(keys) if sums[n + i] > 0}
+            t = torch.tensor(sums + [mx], dtype=torch.float32, device=self.device)
+            dist.all_reduce(t[:-1])
+            dist.all_reduce(t[-1:], op=dist.ReduceOp.MAX)
+            sums, mx = (t[:-1] / ps.get_tensor_model_parallel_world_size()).tolist(), float(t[-1])
+        out = {k: sums[i] for i, k in enumerate(keys) if sums[n + i] > 0}
         if sums[-1] > 0:
             out["training/rollout_probs_diff_mean"] = float(sums[-2] / sums[-1])
             out["training/rollout_probs_diff_max"] = float(mx)
