@@ -26,7 +26,6 @@ class BatchResult:
     wait_s: float = 0.0                 # epoch 1 time spent waiting for the next group
     train_s: float = 0.0                # training time (forward, backward, optimizer steps)
     train_intervals: list = field(default_factory=list)  # (start, end) of each epoch-1 micro-step
-    t_train_end: float = 0.0            # end of epoch 1's schedule
 
 
 def num_micro_batches(sizes: dict[int, int], owner: dict[int, int], dp_rank: int, micro_batch_size: int) -> int:
@@ -88,13 +87,13 @@ def train_batch(actor, feed: GroupFeed, cfg, dp_rank: int, dp_size: int, check_g
         out.train_intervals[-1][1] = time.perf_counter()
     leftover = sum(1 for _ in stream)      # the groups after this rank's last (other DP ranks')
     feed.close()
-    out.t_train_end = time.perf_counter()
+    t_train_end = time.perf_counter()
     out.train_intervals = [(a, b) for a, b in out.train_intervals]
     if leftover:
         raise RuntimeError(f"the batch packed {n_mb + leftover} micro-batches on DP rank {dp_rank}, {n_mb} expected "
                            f"from its group sizes {sorted(feed.sizes.values())} (a group arrived with another K "
                            "than its request?)")
-    out.train_s = out.t_train_end - t0 - out.wait_s
+    out.train_s = t_train_end - t0 - out.wait_s
 
     normaliser = batch_normaliser([len(r.response_ids) for g in out.groups for r in g.results], cfg.loss_agg_mode)
     t0 = time.perf_counter()
