@@ -81,6 +81,9 @@ class RolloutConfig:
     max_model_len: Optional[int] = None
     load_format: str = "auto"
     vllm_kv_cache_gb: float = 1.0    # vllm on cpu: KV-cache size per worker
+    # vllm on an accelerator: the share of the worker's device memory vLLM takes (weights +
+    # activations + KV cache; vLLM's gpu_memory_utilization)
+    gpu_memory_utilization: float = 0.9
     # How new weights reach the workers: shm (one shared-memory buffer, same node) | broadcast (a
     # process group per worker, buckets of actor.export_bucket_mb: the path for other nodes)
     weight_sync: str = "shm"
@@ -127,6 +130,13 @@ class ActorConfig:
     # Weight export to the rollout side: TP/PP shards are gathered in buckets of at most this many
     # MB (one collective per bucket; peak extra memory about one bucket).
     export_bucket_mb: float = 256.0
+    # Mixed precision (model.dtype bfloat16 / float16), Megatron's way: the optimizer steps fp32
+    # main parameters and keeps its state in fp32, gradients accumulate over micro-batches in fp32,
+    # and the model's low-precision weights are copies of the main ones after each step. Off only
+    # for comparison: AdamW then steps the bf16 weights directly and small updates round away.
+    fp32_master_weights: bool = True
+    # The data-parallel gradient all-reduce in fp32 (else in the model's dtype: half the traffic).
+    grad_reduce_in_fp32: bool = True
 
 
 @dataclass

