@@ -252,7 +252,7 @@ def tri_model_quantities(model_dir: str, ref_dir: str | None = None, shared_prom
     eng.refresh_old()
     out["epoch1"] = eng.forward_backward(iter(mine), len(mine), normaliser=normaliser)
     eng.finalize_grads()
-    out["grads"] = {n: t.clone() for n, t in export_hf_weights(eng.policy, arch, 1 << 14, select=lambda p: p.grad)}
+    out["grads"] = {n: t.clone() for n, t in export_hf_weights(eng.policy, arch, 1 << 14, select=eng.optimizer.grad_of)}
     out["grad_norm"] = eng.step_finalized()["actor/grad_norm"]
     out["epoch2"] = eng.forward_backward(iter(mine), len(mine), use_old=True, normaliser=normaliser)
     out["weights_after"] = {n: t.clone() for n, t in eng.export_weights()}

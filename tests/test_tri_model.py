@@ -155,7 +155,7 @@ def test_tri_step_equals_three_separate_forwards(model_dirs, megatron_tp1):
     norm = 13.0
     got = eng.train_micro_step(mb, norm, use_old=True)
     got_grads = _grads(eng)
-    eng.optimizer.zero_grad(set_to_none=True)
+    eng.optimizer.zero_grad()
 
     t = helpers.TEMPERATURE
     logits = lambda m: m(mb.input_ids, mb.position_ids, mb.attention_mask)   # noqa: E731
@@ -182,7 +182,7 @@ def test_tri_step_equals_three_separate_forwards(model_dirs, megatron_tp1):
 
     # and the separate-passes design through the engine (old and reference forward-only passes
     # first, then the policy's training pass on their stored log-probs) is the same computation
-    eng.optimizer.zero_grad(set_to_none=True)
+    eng.optimizer.zero_grad()
     pre = eng.forward_logprobs([mb], ("old", "ref"))
     sep = eng.forward_backward([mb], 1, normaliser=norm, precomputed=pre)
     _assert_metrics_close({k: v for k, v in sep.items() if k.startswith("actor/")}, want, "separate passes")
@@ -238,7 +238,7 @@ def test_old_policy_shortcut_equals_old_forward(model_dirs, megatron_tp1):
     mb = pack_micro_batch(helpers.tri_groups()[1], 0)
     with_old = eng.train_micro_step(mb, 9.0, use_old=True)
     g_old = _grads(eng)
-    eng.optimizer.zero_grad(set_to_none=True)
+    eng.optimizer.zero_grad()
     shortcut = eng.train_micro_step(mb, 9.0, use_old=False)
     g_short = _grads(eng)
     for k in ("actor/pg_loss", "actor/pg_clipfrac", "actor/kl_loss", "actor/entropy", "actor/loss"):

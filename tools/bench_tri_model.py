@@ -110,7 +110,7 @@ def worker(args) -> None:
             eng.forward_backward(batch, len(batch), normaliser=normaliser, precomputed=pre)
         else:
             eng.forward_backward(batch, len(batch), use_old=variant == "tri-model", normaliser=normaliser)
-        eng.optimizer.zero_grad(set_to_none=True)
+        eng.optimizer.zero_grad()
 
     for v in VARIANTS:          # warm-up
         run(v)

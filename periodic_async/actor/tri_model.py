@@ -16,7 +16,8 @@ as one tensor, and the backward runs through the policy only.
   memory and brought to the device only for their forward (`offload_frozen`).
 - Data parallelism: each DP rank trains on its share of the groups; `optimizer_step` all-reduces
   the gradients over DP (and the tied embedding's over the first/last pipeline stage), clips by
-  the global norm and steps AdamW.
+  the global norm and steps AdamW - on fp32 main weights when the policy is bf16 / fp16
+  (actor/optimizer.py).
 - Weight export: HF-layout tensors gathered over TP and PP in buckets of bounded size
   (models/convert.py), consumed by the weight sync at batch boundaries.
 
@@ -39,6 +40,7 @@ from ..config import ActorConfig
 from ..models.convert import export_hf_weights, load_hf_checkpoint
 from ..models.mcore import ModelArch, build_gpt_model
 from .logprobs import logprobs_entropy
+from .optimizer import build_optimizer
 from .packing import MicroBatch, TrainSample, pack_micro_batch
 
 MODELS = ("policy", "old", "ref")
@@ -135,8 +137,8 @@ class TriModelActor:
         self.chunk = TriModelChunk(self.policy, self.old, self.reference, self._resident)
         self.old_is_current = True     # the old model holds the policy of the current batch's start
         self.pp = ps.get_pipeline_model_parallel_world_size()
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
-                                           eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+        # AdamW; with a bf16 / fp16 policy on fp32 main weights (actor/optimizer.py)
+        self.optimizer = build_optimizer(self.policy.parameters(), cfg)
 
     # ------------------------------------------------------------------ frozen-model residency
     def _offload(self, model) -> None:
@@ -179,13 +181,12 @@ class TriModelActor:
         self.old_is_current = True
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes of model state on this rank's device: policy weights + grads + Adam moments, and
-        the frozen models' weights while resident (0 between uses when offloaded)."""
+        """Bytes of model state on this rank's device: policy weights, fp32 main weights ('master',
+        0 for an fp32 policy), the gradients the optimizer steps with, AdamW's moments, and the
+        frozen models' weights while resident (0 between uses when offloaded)."""
         def nbytes(ps):
             return sum(p.numel() * p.element_size() for p in ps)
-        pol = list(self.policy.parameters())
-        # AdamW keeps two moments per parameter in its dtype (allocated at the first step)
-        out = {"policy": nbytes(pol), "grads": nbytes(pol), "optimizer": 2 * nbytes(pol)}
+        out = {"policy": nbytes(self.policy.parameters()), **self.optimizer.state_bytes()}
         for name, model in (("old", self.old), ("ref", self.reference)):
             out[name] = 0 if model is None or self.offload else nbytes(model.parameters())
         return out
@@ -359,41 +360,39 @@ class TriModelActor:
         Not Megatron's finalize_model_grads: it drives DDP-wrapped chunks (`finish_grad_sync`,
         main_grad buffers), and the policy here is a plain module with `.grad`s."""
         from megatron.core import parallel_state as ps
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        grads = self.optimizer.grads()      # fp32 main gradients with a bf16 / fp16 policy
         if self.pp > 1 and self.arch.tie_word_embeddings and (self.policy.pre_process or self.policy.post_process):
             # the first stage's embedding and the last stage's output layer are one weight
             w = self.policy.shared_embedding_or_output_weight()
-            dist.all_reduce(w.grad, group=ps.get_embedding_group())
+            dist.all_reduce(self.optimizer.grad_of(w), group=ps.get_embedding_group())
         if ps.get_data_parallel_world_size() > 1:
-            grads = [p.grad for p in params]
-            flat = torch._utils._flatten_dense_tensors(grads)
+            # one flat all-reduce, in fp32 or (actor.grad_reduce_in_fp32: false) the model's dtype
+            dtype = torch.float32 if self.cfg.grad_reduce_in_fp32 else self.policy.config.params_dtype
+            flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
             dist.all_reduce(flat, group=ps.get_data_parallel_group())
-            for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                g.copy_(synced)
+            for g, synced in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(synced.view_as(g))
         if grad_scale != 1.0:
-            for p in params:
-                p.grad.mul_(grad_scale)
+            for g in grads:
+                g.mul_(grad_scale)
 
     def step_finalized(self) -> dict[str, float]:
         """Clip the finalized gradient by its global norm and step AdamW; the old model is stale
         afterwards (refresh_old at the next batch)."""
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        grad_norm = self.global_grad_norm(self._unique_params(params))
+        params = self.optimizer.model_params
+        grad_norm = self.global_grad_norm(self._unique_params(params), self.optimizer.grad_of)
         if self.cfg.grad_clip > 0 and math.isfinite(grad_norm) and grad_norm > self.cfg.grad_clip:
             scale = self.cfg.grad_clip / (grad_norm + 1e-6)
-            for p in params:
-                p.grad.mul_(scale)
+            for g in self.optimizer.grads():
+                g.mul_(scale)
         # a non-finite norm (a NaN / inf loss or gradient anywhere: the norm is global) skips the
         # update on every rank alike; the trainer counts such steps
         finite = math.isfinite(grad_norm)
         if finite:
             self.optimizer.step()
             self.old_is_current = False
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"actor/grad_norm": grad_norm, "actor/lr": self.optimizer.param_groups[0]["lr"],
+        self.optimizer.zero_grad()
+        return {"actor/grad_norm": grad_norm, "actor/lr": self.optimizer.lr,
                 "actor/step_skipped": 0.0 if finite else 1.0}
 
     def optimizer_step(self, grad_scale: float = 1.0) -> dict[str, float]:
@@ -409,14 +408,15 @@ class TriModelActor:
         return params
 
     @staticmethod
-    def global_grad_norm(params: list[torch.nn.Parameter]) -> float:
-        """L2 norm of the full (unsharded) gradient: Megatron's get_grad_norm_fp32 over the
-        model-parallel (TP x PP) group, replicated parameters (norms) counted on one TP rank only.
+    def global_grad_norm(params: list[torch.nn.Parameter], grad_of=lambda p: p.grad) -> float:
+        """L2 norm of the full (unsharded) gradient (`grad_of(p)`: the optimizer's gradient of
+        model parameter p): Megatron's get_grad_norm_fp32 over the model-parallel (TP x PP) group,
+        replicated parameters (norms) counted on one TP rank only.
         (Clipping stays ours: Megatron's clip_grad_by_total_norm_fp32 asserts CUDA tensors.)"""
         from megatron.core import parallel_state as ps
         from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-        grads = [p.grad for p in params if param_is_not_tensor_parallel_duplicate(p)]
+        grads = [grad_of(p) for p in params if param_is_not_tensor_parallel_duplicate(p)]
         return float(get_grad_norm_fp32(grads, grad_stats_parallel_group=ps.get_model_parallel_group()))
 
     # ------------------------------------------------------------------ weights
