@@ -219,7 +219,8 @@ def tri_model_config(shared_prompt: bool = False, **kw):
     return ActorConfig(shared_prompt=shared_prompt, **kw)
 
 
-def tri_model_quantities(model_dir: str, ref_dir: str | None = None, shared_prompt: bool = False) -> dict:
+def tri_model_quantities(model_dir: str, ref_dir: str | None = None, shared_prompt: bool = False,
+                         dtype: str = "float32") -> dict:
     """Everything the tri-model parity test compares, on the CURRENT Megatron parallel state
     (any TP x PP x DP); every rank must call it. DP rank r trains on groups r, r + DP, ...
     Returns (identical on every rank, CPU):
@@ -237,7 +238,7 @@ def tri_model_quantities(model_dir: str, ref_dir: str | None = None, shared_prom
     from periodic_async.models.mcore import arch_from_hf_dir
 
     arch = arch_from_hf_dir(model_dir)
-    eng = TriModelActor(tri_model_config(shared_prompt), arch, model_dir, temperature=TEMPERATURE,
+    eng = TriModelActor(tri_model_config(shared_prompt), arch, model_dir, dtype=dtype, temperature=TEMPERATURE,
                          with_reference=True, attention_impl="sdpa" if shared_prompt else None)
     if ref_dir is not None:
         load_hf_checkpoint(eng.reference, arch, ref_dir)

@@ -21,15 +21,17 @@ from helpers import make_hf_model_dir, tri_model_quantities
 from test_tensor_parallel import _assert_grads_close, _run_torchrun, _tail
 
 WORKER = Path(__file__).with_name("dist_parallel_worker.py")
-CASES = {   # name: (model kwargs, shared_prompt)
-    "qwen2-tied": (dict(arch="qwen2", tied=True, seed=0), False),
-    "llama-untied": (dict(arch="llama", tied=False, seed=1), False),
-    "qwen2-shared": (dict(arch="qwen2", tied=True, seed=0), True),
+CASES = {   # name: (model kwargs, shared_prompt, model dtype)
+    "qwen2-tied": (dict(arch="qwen2", tied=True, seed=0), False, "float32"),
+    "llama-untied": (dict(arch="llama", tied=False, seed=1), False, "float32"),
+    "qwen2-shared": (dict(arch="qwen2", tied=True, seed=0), True, "float32"),
+    # bf16 on fp32 main weights: the DP all-reduce must carry the fp32 main gradients
+    "qwen2-bf16": (dict(arch="qwen2", tied=True, seed=0), False, "bfloat16"),
 }
 LAYOUTS = {   # name: (tp, pp, nproc, cases)
     "tp2": (2, 1, 2, ("qwen2-tied", "llama-untied")),
     "pp2": (1, 2, 2, ("qwen2-tied", "llama-untied", "qwen2-shared")),
-    "dp2": (1, 1, 2, ("qwen2-tied", "qwen2-shared")),
+    "dp2": (1, 1, 2, ("qwen2-tied", "qwen2-shared", "qwen2-bf16")),
 }
 # Loss terms: pg_loss is a sum of +-A * ratio terms of size ~0.7 that cancel to ~0.05 (advantages
 # are zero-mean per group), so after a step its fp32 error is absolute, ~6e-6 measured (TP=2,
@@ -43,7 +45,7 @@ LOGP_ATOL = 2e-5
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tri")
     out = {}
-    for name, (kw, _) in CASES.items():
+    for name, (kw, _, _) in CASES.items():
         model = make_hf_model_dir(root / f"{name}-policy", init_std=0.2, **kw)
         ref = make_hf_model_dir(root / f"{name}-ref", init_std=0.18, **kw)
         out[name] = (model, ref)
@@ -54,7 +56,7 @@ def dirs(tmp_path_factory):
 def single(dirs, dist_cpu):
     """TP = PP = DP = 1, in-process."""
     dist_cpu.init_model_parallel(1, 1, seed=0)
-    return {name: tri_model_quantities(model, ref, shared_prompt=CASES[name][1])
+    return {name: tri_model_quantities(model, ref, shared_prompt=CASES[name][1], dtype=CASES[name][2])
             for name, (model, ref) in dirs.items()}
 
 
@@ -68,7 +70,7 @@ def parallel(dirs, tmp_path_factory):
                str(WORKER), "--tp", str(tp), "--pp", str(pp), "--out", str(out_dir)]
         for name in cases:
             model, ref = dirs[name]
-            cmd += ["--case", name, model, ref, "1" if CASES[name][1] else "0"]
+            cmd += ["--case", name, model, ref, "1" if CASES[name][1] else "0", CASES[name][2]]
         proc = _run_torchrun(cmd)
         results[layout] = {}
         for name in cases:
@@ -96,7 +98,7 @@ def test_parallel_layout_equals_single(layout, case, dirs, single, parallel):
     reader = SafetensorsReader(dirs[case][0])
     assert sorted(par["weights"]) == sorted(one["weights"])
     for n, t in par["weights"].items():
-        assert torch.equal(t, reader(n)), (layout, n)
+        assert torch.equal(t, reader(n).to(t.dtype)), (layout, n)   # bf16 case: the rounded checkpoint
 
     # per-token log-probs of all three models
     assert sorted(par["logp"]) == ["old", "policy", "ref"]
@@ -112,8 +114,10 @@ def test_parallel_layout_equals_single(layout, case, dirs, single, parallel):
     full_norm = torch.cat([g.double().flatten() for g in one["grads"].values()]).norm().item()
     assert one["grad_norm"] == pytest.approx(full_norm, rel=1e-6)
     _assert_grads_close(par["grads"], one["grads"], f"{layout} vs single")
+    # bf16: main weights equal to fp32 rounding can still round to neighbouring bf16 values
+    rtol, atol = (1e-4, 1e-5) if CASES[case][2] == "float32" else (2 ** -7, 1e-5)
     for n, w in one["weights_after"].items():
-        torch.testing.assert_close(par["weights_after"][n], w, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(par["weights_after"][n], w, rtol=rtol, atol=atol, msg=lambda m: f"{n}: {m}")
 
 
 # ---------------------------------------------------------------------- in-process (TP = PP = DP = 1)
