@@ -169,7 +169,9 @@ class HFRolloutEngine(RolloutEngine):
             attn[i, width - lens[i]:] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
+        # logits of the last position only: all of them would be [b, width, V] fp32 (74 GiB for 256
+        # rows of 512 tokens of a Qwen2.5 vocabulary)
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :].float().cpu(), out.past_key_values, attn, pos
 
     @staticmethod

@@ -57,6 +57,7 @@ class Trainer:
         cfg.validate(world_size=int(os.environ.get("WORLD_SIZE", "1")), num_heads=arch.num_heads,
                      num_kv_heads=arch.num_kv_heads, vocab_size=arch.vocab_size, num_layers=arch.num_layers)
         self.backend = get_backend(cfg.backend)
+        self.memory_plan = self._check_memory(arch)
         self.rank, self.world, self.local_rank = self.backend.init_distributed()
         self.model_dir = self._prepare_run_dir()
         self.arch = arch_from_hf_dir(self.model_dir)
@@ -93,6 +94,25 @@ class Trainer:
         self.metrics = MetricsLogger(cfg.trainer.run_dir, cfg.trainer.tensorboard, enabled=self.rank == 0)
 
     # ------------------------------------------------------------------ set-up
+    def _check_memory(self, arch):
+        """Refuse, before anything is started or built, a config that cannot fit a device
+        (memory_plan.py: model state exact, activations and KV cache estimated); every rank plans
+        the whole job, so every rank refuses alike. No limit on the cpu backend: returns None."""
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        trainer_memory = self.backend.device_memory_bytes(int(os.environ.get("LOCAL_RANK", "0")))
+        if trainer_memory is None:
+            return None
+        from ..memory_plan import plan_memory
+        # workers take the devices after the trainer's (backend.rollout_placements), when there
+        worker_memory = (self.backend.device_memory_bytes(local_world)
+                         if local_world < self.backend.device_count() else trainer_memory)
+        plan = plan_memory(self.cfg, arch, trainer_memory, worker_memory,
+                           world_size=int(os.environ.get("WORLD_SIZE", "1")), local_world_size=local_world)
+        plan.check()
+        if int(os.environ.get("RANK", "0")) == 0:
+            log.info("memory plan: %s", plan.verdict())
+        return plan
+
     def _prepare_run_dir(self) -> str:
         """Rank 0 writes config.yaml (every run) and, without model.path, the tiny model; returns
         the model directory."""
@@ -141,7 +161,8 @@ class Trainer:
                                   gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, weight_sync=cfg.rollout.weight_sync,
                                   bucket_bytes=int(cfg.actor.export_bucket_mb * (1 << 20)), dtype=cfg.model.dtype)
         pool = WorkerPool(settings, placements, hf_layout(self.arch), torch_dtype(cfg.model.dtype),
-                          cfg.rollout.worker_timeout_s, initial_weights=initial, staleness=self.staleness)
+                          cfg.rollout.worker_timeout_s, initial_weights=initial, staleness=self.staleness,
+                          remote_workers=cfg.rollout.remote_workers, remote_address=cfg.rollout.remote_address)
         return WorkerProducer(pool, scorer, cfg.rollout.queue_size, wait_for_batch=cfg.trainer.mode == "sync_split")
 
     def _tokenize_prompt(self, record) -> list[int]:
@@ -180,7 +201,7 @@ class Trainer:
         if self.rank == 0:
             stats = self.producer.stats
             metrics.update(step_metrics.rollout_metrics(
-                batch.groups, stats, step_s, num_engines=cfg.rollout.num_workers if cfg.trainer.mode != "sync" else 1,
+                batch.groups, stats, step_s, num_engines=self._num_engines(),
                 restarts=getattr(getattr(self.producer, "pool", None), "restarts", 0)))
             metrics.update(step_metrics.overlap_metrics((stats.t_dispatch, stats.t_last_group),
                                                         batch.train_intervals))
@@ -192,7 +213,13 @@ class Trainer:
 
     def _num_devices(self) -> int:
         """Trainer ranks plus rollout workers: throughput is per device of the whole job."""
-        return self.world + (self.cfg.rollout.num_workers if self.cfg.trainer.mode != "sync" else 0)
+        return self.world + (self._num_engines() if self.cfg.trainer.mode != "sync" else 0)
+
+    def _num_engines(self) -> int:
+        """Rollout engines: the trainer's own in sync mode, else the local and remote workers."""
+        if self.cfg.trainer.mode == "sync":
+            return 1
+        return self.cfg.rollout.num_workers + self.cfg.rollout.remote_workers
 
     def sync_weights(self) -> None:
         """Stream the new policy (HF layout) to the rollout side as version t+1; returns once
