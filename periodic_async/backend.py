@@ -10,12 +10,19 @@ A `Backend` is chosen by name (`cpu`, `cuda`, `npu`) and owns:
 
 Asking for `npu` or `cuda` where it is not available raises `BackendUnavailable` with one line
 saying what is missing and how to install it.
+
+A process asks for its role with the backend: `trainer` (Megatron runs here) or `rollout` (only an
+inference engine runs here). On npu a rollout process gets torch_npu alone, never MindSpeed's
+adaptor: that import turns torch.compile / torch.jit.script into no-ops, puts fake
+transformer_engine / flash_attn / apex modules in sys.modules, wraps Tensor methods and
+dist.all_reduce and parses sys.argv - none of which belongs in a vLLM process.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import socket
+import sys
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
@@ -88,6 +95,15 @@ class Backend:
             return torch.npu.max_memory_allocated()  # type: ignore[attr-defined]
         return 0
 
+    def device_memory_bytes(self, index: int = 0) -> int | None:
+        """Total memory in bytes of this process's device `index` (the memory plan's limit); None on
+        cpu, where trainer and workers share the host's RAM and no device limit is checked."""
+        if self.name == "cuda":
+            return torch.cuda.get_device_properties(index).total_memory
+        if self.name == "npu":
+            return torch.npu.get_device_properties(index).total_memory  # type: ignore[attr-defined]
+        return None
+
     def reset_peak_memory(self) -> None:
         if self.name == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -131,6 +147,19 @@ class Backend:
         workers = [{"device": f"{self.name}:0", "cores": None,
                     "env": {self.visible_devices_var: visible[trainer_procs + w]}} for w in range(num_workers)]
         return workers, {"device": None, "cores": None}
+
+    def node_worker_placement(self, local_rank: int, local_world: int) -> dict:
+        """The placement of rollout worker `local_rank` of `local_world` on a rollout-only node
+        (rollout/remote.py): on cpu an equal share of the node's cores, on accelerators the
+        `local_rank`-th visible device as the only one the worker sees. Needs no device stack."""
+        if self.name == "cpu":
+            cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+            per = max(1, len(cores) // local_world)
+            mine = cores[local_rank * per:(local_rank + 1) * per] or [cores[local_rank % len(cores)]]
+            return {"device": "cpu", "cores": mine}
+        ids = [i.strip() for i in os.environ.get(self.visible_devices_var, "").split(",") if i.strip()]
+        physical = ids[local_rank] if ids else str(local_rank)
+        return {"device": f"{self.name}:0", "cores": None, "env": {self.visible_devices_var: physical}}
 
     @property
     def visible_devices_var(self) -> str | None:
@@ -305,8 +334,9 @@ def _setup_cuda() -> None:
             "or run with --backend cpu")
 
 
-def _setup_npu() -> None:
-    # torch_npu registers the 'npu' device; MindSpeed's adaptor patches Megatron-core for Ascend.
+def _setup_npu(patch_megatron: bool) -> None:
+    # torch_npu registers the 'npu' device; MindSpeed's adaptor patches Megatron-core for Ascend
+    # (trainer processes only: see the module docstring).
     os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "1")
     try:
         import torch_npu  # noqa: F401
@@ -318,6 +348,8 @@ def _setup_npu() -> None:
     if not torch.npu.is_available():  # type: ignore[attr-defined]
         raise BackendUnavailable("backend 'npu': torch_npu imported but no NPU is visible "
                                  "(check ASCEND_RT_VISIBLE_DEVICES and `npu-smi info`)")
+    if not patch_megatron:
+        return
     try:
         import mindspeed.megatron_adaptor  # noqa: F401
     except ImportError as e:
@@ -333,23 +365,49 @@ _BACKENDS = {
 }
 
 _ACTIVE: Optional[Backend] = None
+ROLES = ("trainer", "rollout")
+_ROLE: Optional[str] = None
 
 
-def get_backend(name: str) -> Backend:
-    """Check the device stack for `name`, apply its set-up once, and return the Backend."""
-    global _ACTIVE
+def get_backend(name: str, role: str | None = None) -> Backend:
+    """Check the device stack for `name`, apply its set-up once, and return the Backend.
+
+    `role`: "trainer" (Megatron runs in this process) or "rollout" (only an inference engine: on
+    npu no MindSpeed adaptor). None keeps the role this process already took, "trainer" if none,
+    so a rollout worker names its role once, first, and later calls (weight_sync) keep it. The cpu
+    shims are applied for both roles: they only redirect CUDA calls to the CPU, and the CPU rollout
+    workers have always run with them."""
+    global _ACTIVE, _ROLE
     if name not in _BACKENDS:
         raise BackendUnavailable(f"backend '{name}' is unknown; allowed: {', '.join(_BACKENDS)}")
+    if role is None:
+        role = _ROLE or "trainer"
+    elif role not in ROLES:
+        raise ValueError(f"backend role {role!r}: allowed {', '.join(ROLES)}")
+    if name == "npu" and role == "rollout" and "mindspeed.megatron_adaptor" in sys.modules:
+        # its patches cannot be undone: the rollout process must name its role before anything
+        # sets the backend up as a trainer
+        raise RuntimeError("get_backend('npu', role='rollout') in a process that already imported "
+                           "mindspeed.megatron_adaptor (a trainer set-up)")
     if name == "cpu":
         _apply_cpu_megatron_shims()
     elif name == "cuda":
         _setup_cuda()
     else:
-        _setup_npu()
+        _setup_npu(patch_megatron=role == "trainer")
     _ACTIVE = _BACKENDS[name]
+    _ROLE = role
     return _ACTIVE
 
 
 def active_backend() -> Backend:
     """The backend chosen by `get_backend` (cpu when none was chosen yet)."""
     return _ACTIVE if _ACTIVE is not None else get_backend("cpu")
+
+
+def backend_without_setup(name: str) -> Backend:
+    """The Backend `name` without its device stack set up: for placement arithmetic in a process
+    that only spawns workers (rollout/remote.py), which must not import torch_npu / MindSpeed."""
+    if name not in _BACKENDS:
+        raise BackendUnavailable(f"backend '{name}' is unknown; allowed: {', '.join(_BACKENDS)}")
+    return _BACKENDS[name]

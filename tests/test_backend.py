@@ -70,3 +70,59 @@ def test_device_placement_needs_enough_devices(monkeypatch):
     workers, _ = npu.rollout_placements(num_workers=4, trainer_procs=4)
     assert [w["env"] for w in workers] == [{"ASCEND_RT_VISIBLE_DEVICES": str(i)} for i in (4, 5, 6, 7)]
     assert {w["device"] for w in workers} == {"npu:0"}
+
+
+# The npu set-up in a fresh interpreter with stand-ins on the path: a torch_npu that registers a
+# visible `torch.npu`, and a mindspeed whose megatron_adaptor only records that it was imported.
+_FAKE_TORCH_NPU = "import torch, types\ntorch.npu = types.SimpleNamespace(is_available=lambda: True)\n"
+
+
+def _npu_setup_in_subprocess(tmp_path, body: str) -> str:
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    (tmp_path / "torch_npu").mkdir()
+    (tmp_path / "torch_npu" / "__init__.py").write_text(_FAKE_TORCH_NPU)
+    (tmp_path / "mindspeed").mkdir()
+    (tmp_path / "mindspeed" / "__init__.py").write_text("")
+    (tmp_path / "mindspeed" / "megatron_adaptor.py").write_text("")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), repo]))
+    script = "import sys\nfrom periodic_async.backend import get_backend\n" + textwrap.dedent(body)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_npu_rollout_role_imports_torch_npu_but_not_mindspeed(tmp_path):
+    """A rollout worker runs only vLLM: MindSpeed's adaptor (which no-ops torch.compile, fakes
+    transformer_engine / flash_attn / apex and parses sys.argv) must not be imported there, also
+    not by the worker's later role-less calls (weight_sync)."""
+    _npu_setup_in_subprocess(tmp_path, """
+        b = get_backend("npu", role="rollout")
+        assert b.name == "npu" and "torch_npu" in sys.modules
+        assert "mindspeed.megatron_adaptor" not in sys.modules
+        get_backend("npu")                              # what weight_sync calls in the worker
+        assert "mindspeed.megatron_adaptor" not in sys.modules
+        assert not any(m == "megatron" or m.startswith("megatron.") for m in sys.modules)
+    """)
+
+
+def test_npu_trainer_role_imports_mindspeeds_adaptor(tmp_path):
+    _npu_setup_in_subprocess(tmp_path, """
+        get_backend("npu")                              # the trainer's call: role defaults to trainer
+        assert "mindspeed.megatron_adaptor" in sys.modules
+        try:
+            get_backend("npu", role="rollout")          # too late: the patches cannot be undone
+        except RuntimeError as e:
+            assert "already imported mindspeed.megatron_adaptor" in str(e)
+        else:
+            raise AssertionError("rollout role accepted after the trainer set-up")
+    """)
+
+
+def test_unknown_role():
+    with pytest.raises(ValueError, match="allowed trainer, rollout"):
+        get_backend("cpu", role="evaluator")
+    get_backend("cpu")

@@ -125,6 +125,14 @@ def test_missing_file_and_bad_override_syntax(tmp_path):
     (["algo.adv_estimator=gae"], {}, "algo.adv_estimator: 'gae' is not allowed; allowed: grpo, rloo"),
     (["actor.policy_loss=dpo"], {}, "actor.policy_loss: 'dpo' is not allowed; allowed: grpo"),
     (["algo.adv_eps=0"], {}, "algo.adv_eps: must be > 0, got 0.0"),
+    (["rollout.remote_workers=2"], {}, "rollout.remote_workers: workers on other nodes share no memory with the "
+                                        "trainer; set rollout.weight_sync: broadcast"),
+    (["rollout.remote_workers=1", "rollout.weight_sync=broadcast", "rollout.remote_address=trainer0"], {},
+     "rollout.remote_address: expected HOST:PORT, got 'trainer0'"),
+    (["rollout.remote_workers=1", "rollout.weight_sync=broadcast", "trainer.mode=sync"], {},
+     "rollout.remote_workers: mode 'sync' generates in the trainer process"),
+    (["rollout.num_workers=0"], {}, "needs at least one rollout worker (local, or rollout.remote_workers"),
+    (["rollout.gpu_memory_utilization=1.5"], {}, "rollout.gpu_memory_utilization: must be in (0, 1], got 1.5"),
 ])
 def test_impossible_combinations_rejected(overrides, kwargs, message):
     cfg = load_config(DEFAULT, overrides)

@@ -214,3 +214,97 @@ def test_groups_of_different_size_train_and_periodic_equals_sync(mixed_k_sync_ru
     _assert_same_training(got, got_params, history, params)
     assert all(h["rollout/group_size/mean"] == pytest.approx(sum(sizes) / 8) for h in got)
     assert all(h["perf/total_num_tokens"] == r["perf/total_num_tokens"] for h, r in zip(got, history))
+
+
+# ---------------------------------------------------------------------- rollout workers on other nodes
+
+ROLLOUT_KEY = "test-rollout-key"
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_rollout_node(port: int, log_path, nproc: int = 2) -> subprocess.Popen:
+    """A second launch on this machine standing in for a rollout node: torchrun with one relay
+    per 'device' (rollout/remote.py), in its own session so the test can kill the whole node."""
+    env = {**os.environ, "PERIODIC_ASYNC_ROLLOUT_KEY": ROLLOUT_KEY}
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+         "--max-restarts", "0", "-m", "periodic_async.rollout.remote", "--connect", f"127.0.0.1:{port}"],
+        env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_rollout_node_killed_mid_batch_equals_sync(sync_run, tmp_path, monkeypatch):
+    """Trainer and rollout workers as two launches on one machine (the trainer with no local
+    workers, a 'rollout node' of two relays connecting over TCP): the same training as sync, also
+    when the whole rollout node is SIGKILLed mid-batch and a new node joins - the samples the lost
+    workers owed are generated again by the new ones, nothing is lost or counted twice."""
+    monkeypatch.setenv("PERIODIC_ASYNC_ROLLOUT_KEY", ROLLOUT_KEY)
+    port = _free_port()
+    nodes = [_start_rollout_node(port, tmp_path / "node0.log")]
+    state = {}
+
+    def hook(trainer):
+        pool = trainer.producer.pool
+        assert pool.pids() == [] and pool.num_workers == 2        # every worker is on the "other node"
+        score = trainer.producer.scorer.score
+
+        def killing_score(groups, stats):
+            if trainer.version == 1 and not state:
+                state["owed"] = len(pool._owner)                       # samples still being generated
+                os.killpg(nodes[0].pid, signal.SIGKILL)
+                nodes.append(_start_rollout_node(port, tmp_path / "node1.log"))
+            return score(groups, stats)
+        trainer.producer.scorer.score = killing_score
+
+    try:
+        trainer, history, params = _run(
+            tmp_path / "run", "periodic", "rollout.num_workers=0", "rollout.remote_workers=2",
+            f"rollout.remote_address=127.0.0.1:{port}", "rollout.weight_sync=broadcast", "rollout.max_slots=3",
+            "rollout.arrival_jitter_s=0.02", "rollout.worker_timeout_s=30", hook=hook)
+        trainer.close()
+        assert state and state["owed"] > 0, f"the node was not killed mid-batch: {state}"
+        _assert_same_training(history, params, *sync_run)
+        assert nodes[1].wait(timeout=60) == 0, (tmp_path / "node1.log").read_text()[-3000:]   # stopped cleanly
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+            node.wait(timeout=30)
+    log0 = (tmp_path / "node0.log").read_text()
+    assert nodes[0].returncode == -signal.SIGKILL, log0[-3000:]
+
+
+def test_rollout_relays_need_the_key_and_the_pool_names_the_command(tmp_path, monkeypatch):
+    from multiprocessing.connection import Listener
+
+    from periodic_async.rollout import remote
+    from periodic_async.rollout.worker import WorkerError, WorkerPool, WorkerSettings
+
+    monkeypatch.delenv("PERIODIC_ASYNC_ROLLOUT_KEY", raising=False)
+    with pytest.raises(RuntimeError, match="set PERIODIC_ASYNC_ROLLOUT_KEY"):
+        remote.rollout_key()
+    with Listener(("127.0.0.1", 0), authkey=b"right") as listener:
+        import threading
+        threading.Thread(target=lambda: _accept_quietly(listener), daemon=True).start()
+        with pytest.raises(RuntimeError, match="refused this relay's key"):
+            remote.connect("%s:%d" % listener.address, b"wrong", timeout_s=5)
+    with pytest.raises(RuntimeError, match="no rollout pool at 127.0.0.1"):
+        remote.connect(f"127.0.0.1:{_free_port()}", b"k", timeout_s=0.5)
+
+    monkeypatch.setenv("PERIODIC_ASYNC_ROLLOUT_KEY", ROLLOUT_KEY)
+    settings = WorkerSettings("cpu", str(tmp_path), 0, 1, 4, weight_sync="broadcast")
+    with pytest.raises(WorkerError, match=r"1 of them on other nodes: start them with `torchrun .* --connect 127\.0\.0\.1:"):
+        WorkerPool(settings, [], [("w", (2,))], startup_timeout_s=1.0, remote_workers=1,
+                   remote_address=f"127.0.0.1:{_free_port()}")
+
+
+def _accept_quietly(listener) -> None:
+    try:
+        listener.accept()
+    except Exception:  # noqa: BLE001 - the wrong key is the point
+        pass

@@ -87,6 +87,12 @@ class RolloutConfig:
     # How new weights reach the workers: shm (one shared-memory buffer, same node) | broadcast (a
     # process group per worker, buckets of actor.export_bucket_mb: the path for other nodes)
     weight_sync: str = "shm"
+    # Rollout workers on other nodes: this many slots, after the num_workers local ones, taken by
+    # relays that connect to `remote_address` (torchrun ... -m periodic_async.rollout.remote
+    # --connect HOST:PORT on each rollout node, docs/multi-node.md). Needs weight_sync: broadcast
+    # and the same PERIODIC_ASYNC_ROLLOUT_KEY on every node.
+    remote_workers: int = 0
+    remote_address: str = "0.0.0.0:29650"
 
 
 @dataclass

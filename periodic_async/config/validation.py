@@ -57,9 +57,22 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
         raise ConfigError(f"rollout.gpu_memory_utilization: must be in (0, 1], got {cfg.rollout.gpu_memory_utilization}")
     if cfg.actor.export_bucket_mb <= 0:
         raise ConfigError(f"actor.export_bucket_mb: must be > 0, got {cfg.actor.export_bucket_mb}")
-    if cfg.trainer.mode != "sync" and cfg.rollout.num_workers < 1:
-        raise ConfigError(f"rollout.num_workers: mode '{cfg.trainer.mode}' needs at least one rollout worker, "
-                          f"got {cfg.rollout.num_workers}")
+    if cfg.rollout.num_workers < 0 or cfg.rollout.remote_workers < 0:
+        raise ConfigError(f"rollout.num_workers / rollout.remote_workers: must be >= 0, got "
+                          f"{cfg.rollout.num_workers} / {cfg.rollout.remote_workers}")
+    if cfg.trainer.mode != "sync" and cfg.rollout.num_workers + cfg.rollout.remote_workers < 1:
+        raise ConfigError(f"rollout.num_workers: mode '{cfg.trainer.mode}' needs at least one rollout worker "
+                          f"(local, or rollout.remote_workers on other nodes), got {cfg.rollout.num_workers}")
+    if cfg.rollout.remote_workers:
+        if cfg.trainer.mode == "sync":
+            raise ConfigError("rollout.remote_workers: mode 'sync' generates in the trainer process; use periodic "
+                              "or sync_split for rollout workers on other nodes")
+        if cfg.rollout.weight_sync != "broadcast":
+            raise ConfigError("rollout.remote_workers: workers on other nodes share no memory with the trainer; "
+                              "set rollout.weight_sync: broadcast")
+        host, sep, port = cfg.rollout.remote_address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(f"rollout.remote_address: expected HOST:PORT, got {cfg.rollout.remote_address!r}")
     if cfg.rollout.worker_timeout_s <= 0:
         raise ConfigError(f"rollout.worker_timeout_s: must be > 0, got {cfg.rollout.worker_timeout_s}")
     if cfg.data.source in ("jsonl", "parquet", "hf") and not cfg.data.path:

@@ -191,11 +191,32 @@ def _worker_main(wid: int, settings: WorkerSettings, placement: dict, inbox, out
 
 @dataclass
 class _Handle:
-    process: mp.Process
-    inbox: object
+    process: mp.Process | None     # None: a worker on another node (its relay's connection)
+    inbox: object                  # .put(msg) reaches the worker
     reader: object                 # the read end of this worker's result pipe (None once broken)
     pid: int = 0
     last_progress: float = 0.0
+    remote: bool = False
+    ready: bool = False            # said "ready" (and, broadcast sync, paired)
+
+    def alive(self) -> bool:
+        if self.remote:
+            return self.reader is not None
+        return self.process.is_alive()
+
+
+class _ConnectionInbox:
+    """A remote worker's inbox: messages go over its relay's connection (a broken one shows up
+    as EOF on the read side, where the pool handles it)."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def put(self, msg) -> None:
+        try:
+            self.conn.send(msg)
+        except (OSError, ValueError):
+            pass
 
 
 class WorkerPool:
@@ -204,12 +225,16 @@ class WorkerPool:
     def __init__(self, settings: WorkerSettings, placements: list[dict], layout: Layout, dtype: torch.dtype = torch.float32,
                  worker_timeout_s: float = 120.0, startup_timeout_s: float = 300.0,
                  initial_weights: Iterable[tuple[str, torch.Tensor]] | None = None,
-                 staleness: StalenessRule = STRICT):
+                 staleness: StalenessRule = STRICT, remote_workers: int = 0, remote_address: str | None = None):
         """initial_weights: version 0 in the shared buffer before the workers start (needed when
         they start from dummy weights, settings.load_format == "dummy"). staleness: which results
-        are delivered (scheduling/staleness.py); others are dropped and counted."""
+        are delivered (scheduling/staleness.py); others are dropped and counted.
+        remote_workers: slots after the local ones (`placements`) for workers on other nodes, whose
+        relays connect to `remote_address` (rollout/remote.py); they need the broadcast sync."""
         if settings.load_format == "dummy" and initial_weights is None:
             raise ValueError("rollout workers with dummy weights need initial_weights for version 0")
+        if remote_workers and settings.weight_sync != "broadcast":
+            raise ValueError("rollout workers on other nodes (remote_workers > 0) need weight_sync 'broadcast'")
         self.settings, self.placements, self.layout = settings, placements, layout
         self.worker_timeout_s, self.startup_timeout_s = worker_timeout_s, startup_timeout_s
         self.staleness = staleness
@@ -222,6 +247,12 @@ class WorkerPool:
         self._owner: dict[tuple[int, int], int] = {}          # (group, k) -> worker id
         self._requests: dict[int, RolloutRequest] = {}        # group -> its request (for re-dispatch)
         self._workers: list[_Handle | None] = [None] * len(placements)
+        self._workers += [_Handle(None, None, None, remote=True) for _ in range(remote_workers)]
+        self._pending: list[RolloutRequest] = []              # dispatched while no worker was connected
+        self._pending_since = 0.0
+        self._started = False                                 # every slot has been ready once
+        self._arrivals: queue.Queue = queue.Queue()           # relays' connections, from the listener thread
+        self._listener = None
         self._closed = False
         self._stash: list = []                                # results received while awaiting acks
         if initial_weights is not None:
@@ -235,9 +266,12 @@ class WorkerPool:
             self._store, self._sync_address = weight_sync.serve_store()
             self._plan = weight_sync.bucket_plan(layout, settings.bucket_bytes, self._buf.element_size())
         try:
+            if remote_workers:
+                self._listen(remote_address)
             for wid in range(len(placements)):
                 self._spawn(wid)
-            self._await("ready", set(range(len(placements))), self.startup_timeout_s)
+            self._await("ready", set(range(len(self._workers))), self.startup_timeout_s)
+            self._started = True
         except BaseException:
             self.close()
             raise
@@ -247,7 +281,67 @@ class WorkerPool:
         return len(self._workers)
 
     def pids(self) -> list[int]:
-        return [h.pid for h in self._workers if h is not None]
+        """Process ids of the local workers (a remote worker's pid is on its own node)."""
+        return [h.pid for h in self._workers if h is not None and not h.remote]
+
+    # ------------------------------------------------------------------ workers on other nodes
+    def _listen(self, address: str) -> None:
+        from multiprocessing.connection import Listener
+
+        from .remote import rollout_key, split_address
+        self._listener = Listener(split_address(address), authkey=rollout_key())
+        self.remote_address = "%s:%d" % self._listener.address
+
+        def accept():
+            while not self._closed:
+                try:
+                    self._arrivals.put(self._listener.accept())
+                except Exception as e:  # noqa: BLE001 - a wrong key, a port scan: log, keep listening
+                    if self._closed:
+                        return
+                    log.warning("rollout pool: refused a connection at %s (%s)", self.remote_address, e)
+        import threading
+        threading.Thread(target=accept, name="rollout-listener", daemon=True).start()
+
+    def _admit_arrivals(self) -> None:
+        """Give each newly connected relay a vacant remote slot (or turn it away)."""
+        while True:
+            try:
+                conn = self._arrivals.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if not conn.poll(10):
+                    raise EOFError("no hello")
+                _, host, local_rank, pid = conn.recv()
+                vacant = [wid for wid, h in enumerate(self._workers) if h.remote and h.reader is None]
+                if not vacant:
+                    conn.send(("reject", f"all {sum(h.remote for h in self._workers)} remote rollout slots are taken"))
+                    conn.close()
+                    continue
+                wid = vacant[0]
+                self._spawned += 1
+                self._keys[wid] = f"worker{wid}-{self._spawned}"
+                self._pairs.pop(wid, None)
+                port = int(self._sync_address.rsplit(":", 1)[1])
+                conn.send(("assign", wid, self.settings, self.layout, self.version, port, self._keys[wid]))
+            except (EOFError, OSError, ValueError, TypeError) as e:
+                log.warning("rollout pool: a relay's hello failed (%s)", e)
+                conn.close()
+                continue
+            log.info("rollout pool: remote worker %d is %s local rank %d (relay pid %d)", wid, host, local_rank, pid)
+            self._workers[wid] = _Handle(None, _ConnectionInbox(conn), conn, pid=pid,
+                                         last_progress=time.monotonic(), remote=True)
+
+    def _vacate(self, wid: int, why: str) -> None:
+        """A remote worker is gone: close its connection (its relay exits and torchrun restarts
+        it); the slot waits for the next relay."""
+        h = self._workers[wid]
+        log.warning("remote rollout worker %d %s; its slot waits for a new connection", wid, why)
+        if h.reader is not None:
+            h.reader.close()
+        self._pairs.pop(wid, None)
+        self._workers[wid] = _Handle(None, None, None, remote=True)
 
     # ------------------------------------------------------------------ processes
     def _spawn(self, wid: int) -> None:
@@ -272,7 +366,12 @@ class WorkerPool:
         """The next message from any worker, or None after `timeout` s. A broken pipe (a worker
         killed mid-message) closes that channel and kills the worker; the health check restarts it."""
         from multiprocessing.connection import wait
+        if self._listener is not None:
+            self._admit_arrivals()
         readers = {h.reader: wid for wid, h in enumerate(self._workers) if h is not None and h.reader is not None}
+        if not readers:
+            time.sleep(timeout)
+            return None
         for conn in wait(list(readers), timeout):
             wid = readers[conn]
             try:
@@ -281,7 +380,7 @@ class WorkerPool:
                 h = self._workers[wid]
                 h.reader = None
                 conn.close()
-                if h.process.is_alive():
+                if h.process is not None and h.process.is_alive():
                     h.process.kill()
         return None
 
@@ -294,11 +393,22 @@ class WorkerPool:
         while waiting:
             now = time.monotonic()
             if now > deadline:
-                raise WorkerError(f"rollout workers {sorted(waiting)} did not report '{kind}' within {timeout:.0f} s")
+                remote = [w for w in waiting if self._workers[w].remote]
+                hint = (f"; {len(remote)} of them on other nodes: start them with `torchrun --nproc_per_node N -m "
+                        f"periodic_async.rollout.remote --connect {getattr(self, 'remote_address', '?')}` and the same "
+                        f"PERIODIC_ASYNC_ROLLOUT_KEY") if remote else ""
+                raise WorkerError(f"rollout workers {sorted(waiting)} did not report '{kind}' within {timeout:.0f} s{hint}")
             if now >= next_check:   # also while other workers keep sending
                 next_check = now + 0.2
                 for wid in list(waiting):
-                    if not self._workers[wid].process.is_alive():
+                    h = self._workers[wid]
+                    if h.remote:
+                        if h.reader is None and h.process is None and h.inbox is not None:
+                            self._vacate(wid, f"lost its connection while the pool waited for '{kind}'")
+                        if self._workers[wid].reader is None and (kind != "ready" or self._started):
+                            waiting.discard(wid)     # it gets the current weights when it reconnects
+                        continue
+                    if not h.process.is_alive():
                         self._restart(wid, f"died while the pool waited for '{kind}'")
                         self._await("ready", {wid}, self.startup_timeout_s)
                         waiting.discard(wid)
@@ -319,9 +429,15 @@ class WorkerPool:
         if msg[0] == "placed":
             self.placed[msg[1]] = msg[2]
         elif msg[0] == "ready":
-            self._workers[msg[1]].pid = msg[2]
+            h = self._workers[msg[1]]
+            if not h.remote:
+                h.pid = msg[2]
             if self.settings.weight_sync == "broadcast":
                 self._pair_with(msg[1])
+            h.ready = True
+            if self._pending:          # requests that waited for a connected worker
+                pending, self._pending = self._pending, []
+                self.dispatch(pending)
         elif msg[0] not in ("results", "updated", "placed"):
             # e.g. a worker running other code than the trainer (files changed under a running job)
             raise WorkerError(f"unexpected message {msg[0]!r} from rollout worker {msg[1]}")
@@ -338,6 +454,9 @@ class WorkerPool:
 
     def _restart(self, wid: int, why: str) -> None:
         h = self._workers[wid]
+        if h.remote:
+            self._vacate(wid, why)
+            return
         log.warning("rollout worker %d (pid %d) %s; restarting it with weights version %d", wid, h.pid, why, self.version)
         if h.process.is_alive():
             h.process.kill()
@@ -358,7 +477,12 @@ class WorkerPool:
             from .vllm_engine import check_fits    # importable without vLLM
             for r in requests:
                 check_fits(r, self.settings.max_model_len)
-        load = {wid: 0 for wid in range(self.num_workers)}
+        load = {wid: 0 for wid, h in enumerate(self._workers) if not h.remote or h.reader is not None}
+        if not load:      # only remote slots, none connected: they go out when a worker is ready
+            if not self._pending:
+                self._pending_since = time.monotonic()
+            self._pending.extend(requests)
+            return
         for w in self._owner.values():
             load[w] += 1
         per_worker: dict[int, list[RolloutRequest]] = {}
@@ -378,7 +502,7 @@ class WorkerPool:
     def results(self) -> Iterator[RolloutResult]:
         """Results of everything dispatched, as they arrive, each exactly once."""
         next_check = time.monotonic() + 0.2
-        while self._owner:
+        while self._owner or self._pending:
             if time.monotonic() >= next_check:   # also while other workers keep the queue busy
                 self._check_health()
                 next_check = time.monotonic() + 0.2
@@ -403,14 +527,20 @@ class WorkerPool:
 
     def _check_health(self) -> None:
         now = time.monotonic()
+        if self._pending and now - self._pending_since > self.startup_timeout_s:
+            raise WorkerError(f"no rollout worker connected for {self.startup_timeout_s:.0f} s while "
+                              f"{len(self._pending)} requests waited (all rollout nodes gone?)")
         for wid, h in enumerate(self._workers):
             owed = [key for key, w in self._owner.items() if w == wid]
-            dead = not h.process.is_alive()
+            if h.remote and h.inbox is None and not owed:
+                continue              # a vacant slot
+            dead = not h.alive()
             stuck = owed and now - h.last_progress > self.worker_timeout_s
             if not (dead or stuck):
                 continue
             self._restart(wid, "died" if dead else f"made no progress for {self.worker_timeout_s:.0f} s")
-            self._await("ready", {wid}, self.startup_timeout_s)
+            if not h.remote:
+                self._await("ready", {wid}, self.startup_timeout_s)
             by_group: dict[int, list[int]] = {}
             for g, k in owed:
                 by_group.setdefault(g, []).append(k)
@@ -425,18 +555,25 @@ class WorkerPool:
     # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Write the new weights into the shared buffer, then wait until every worker has them."""
+        # a remote worker that connected but is not ready yet was given the previous version: it
+        # must be paired (and hold those weights) before the update below can reach it
+        joining = {wid for wid, h in enumerate(self._workers) if h.remote and h.reader is not None and not h.ready}
+        if joining:
+            self._await("ready", joining, self.startup_timeout_s)
         self._write_buffer(named_tensors)
         self.version = version
         for h in self._workers:
-            h.inbox.put(("update", version))
+            if h.inbox is not None:
+                h.inbox.put(("update", version))
         if self.settings.weight_sync == "broadcast":
             from . import weight_sync
-            for wid in range(self.num_workers):
+            for wid in list(self._pairs):
                 try:
                     weight_sync.send_weights(self._pairs[wid], self.settings.backend, self._buf, self._plan)
                 except RuntimeError as e:   # the worker died: its restart receives version `version`
                     self._restart(wid, f"failed during the weight broadcast ({e})")
-        self._await("updated", set(range(self.num_workers)), self.startup_timeout_s, version=version)
+        self._await("updated", {wid for wid, h in enumerate(self._workers) if not h.remote or h.reader is not None},
+                    self.startup_timeout_s, version=version)
 
     def _write_buffer(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy a full set of HF-layout tensors into the shared buffer (all names of the layout)."""
@@ -459,14 +596,20 @@ class WorkerPool:
             return
         self._closed = True
         for h in self._workers:
-            if h is not None and h.process.is_alive():
+            if h is not None and h.inbox is not None and h.alive():
                 try:
                     h.inbox.put(("stop",))
                 except (OSError, ValueError):
                     pass
+        if self._listener is not None:
+            self._listener.close()
         deadline = time.monotonic() + 5
         for h in self._workers:
             if h is None:
+                continue
+            if h.remote:           # its relay forwards the stop, then closes its end
+                if h.reader is not None:
+                    h.reader.close()
                 continue
             h.process.join(timeout=max(0.1, deadline - time.monotonic()))
             if h.process.is_alive():
