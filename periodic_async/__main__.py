@@ -50,19 +50,28 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     # and Ctrl-C / SIGINT does the same even when the launching shell ignored it (a background job)
     signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
-    from .models.mcore import UnsupportedModel
+    from .errors import InputError
     from .train.trainer import Trainer
+    # An input error (a missing or truncated model file, a bad dataset row: errors.py) is one line
+    # and exit 2 like a config error, on every rank: caught here, it never reaches torch's
+    # excepthook, which under torchrun prints the whole traceback with a [rankN]: prefix.
     try:
         trainer = Trainer(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    except (BackendUnavailable, UnsupportedModel) as e:
+    except (BackendUnavailable, InputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:   # e.g. torchrun stopping this rank because another one failed
+        print("interrupted during set-up", file=sys.stderr)
+        return 130
     from .train.trainer import NonFiniteTraining
     try:
         history = trainer.fit()
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except NonFiniteTraining as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

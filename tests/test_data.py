@@ -13,8 +13,7 @@ import pytest
 from periodic_async.config import DataConfig, SyntheticTaskConfig
 from periodic_async.data.dataset import (DatasetError, PromptLoader, PromptRecord, load_records, read_hf,
                                          read_jsonl, read_parquet)
-from periodic_async.data.gsm8k_task import (PROMPT_SUFFIX, extract_gsm8k_answer, format_gsm8k_prompt,
-                                            sample_path)
+from periodic_async.data.gsm8k_task import extract_gsm8k_answer, format_gsm8k_prompt, sample_path
 
 
 def _write_lines(path: Path, lines: list[str]) -> str:
@@ -168,12 +167,13 @@ def test_format_gsm8k_prompt() -> None:
         "What is 2+2?\nLet's think step by step and output the final answer after \"####\".")
 
 
-def test_load_records_gsm8k_extracts_gold_and_formats_prompt() -> None:
+def test_load_records_gsm8k_extracts_gold_and_keeps_the_question() -> None:
     records = load_records(DataConfig(source="gsm8k"))
     rows = _sample_rows()
     assert len(records) == 200
     assert records[0].answer == "72" and records[199].answer == "150"
-    assert records[0].prompt == rows[0]["question"] + PROMPT_SUFFIX
+    # the '####' instruction is the source's default data.prompt_template (tests/test_prompts.py)
+    assert records[0].prompt == rows[0]["question"]
     assert [r.index for r in records] == list(range(200))
 
 

@@ -1,6 +1,7 @@
 """A short end-to-end GRPO run on the cpu backend: the policy learns something, the reference is
 frozen, the rollout engine holds the trained weights, metrics and the HF export are written, and a
-reward function that raises is scored 0 without stopping training."""
+reward function that raises, hangs or returns a non-number is scored 0, counted and warned about
+once per step without stopping training."""
 import json
 import os
 
@@ -16,7 +17,7 @@ from helpers import make_hf_model_dir
 REQUIRED = ["actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "critic/score/mean",
             "response_length/mean", "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights",
             "timing_s/step", "perf/throughput", "training/off_policy/trajectory_staleness/mean",
-            "reward/num_errors", "reward/num_timeouts"]
+            "reward/num_errors", "reward/num_timeouts", "reward/num_invalid"]
 
 
 def _cfg(tmp_path, *extra):
@@ -78,6 +79,56 @@ def test_reward_that_raises_is_scored_zero_and_training_goes_on(tmp_path):
     errors = sum(h["reward/num_errors"] for h in history)
     assert errors > 0                                  # some responses hit the right digit and raised
     assert all(h["critic/score/max"] <= 1.0 for h in history)
+
+
+FAULTY_REWARD = """
+import os, time
+
+def _claim(marks):
+    # each fault happens exactly once in the run: the first call that creates a kind's marker file
+    for kind in ("hang", "raise", "nan", "text"):
+        try:
+            os.close(os.open(os.path.join(marks, kind), os.O_CREAT | os.O_EXCL))
+            return kind
+        except FileExistsError:
+            pass
+    return None
+
+def compute_score(response, answer):
+    kind = _claim(MARKS)
+    if kind == "hang":
+        time.sleep(60)
+    if kind == "raise":
+        raise RuntimeError("boom")
+    if kind == "nan":
+        return float("nan")
+    if kind == "text":
+        return "one"
+    return 1.0 if response.strip()[:1].isdigit() else 0.0
+"""
+
+
+def test_reward_faults_are_scored_zero_counted_and_warned_once_per_step(tmp_path, caplog):
+    """A reward fn that hangs, raises, returns NaN and returns a string (once each, all in step 1):
+    the hang ends at reward.timeout_s, each item scores 0 and is counted by cause, and the step logs
+    one summary warning - not a line per item; step 2 has none."""
+    import logging
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    reward_file = tmp_path / "faulty_reward.py"
+    reward_file.write_text(f"MARKS = {str(marks)!r}\n" + FAULTY_REWARD)
+    cfg = _cfg(tmp_path, "reward.name=custom", f"reward.custom_file={reward_file}", "reward.timeout_s=2",
+               "trainer.total_steps=2", "trainer.save_final=false")
+    with caplog.at_level(logging.DEBUG):
+        history = Trainer(cfg).fit()
+    faults = [(h["reward/num_errors"], h["reward/num_timeouts"], h["reward/num_invalid"]) for h in history]
+    assert faults == [(1, 1, 2), (0, 0, 0)]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    reward_warnings = [w for w in warnings if "reward" in w]
+    assert reward_warnings == ["step 1: reward fn failed on 4 of 16 responses, scored 0.0 (1 raised or lost "
+                               "their worker, 1 timed out, 2 returned a non-number or non-finite value); first: "
+                               "no result within reward.timeout_s=2 s (its worker was killed and replaced)"]
+    assert history[0]["critic/score/min"] == 0.0
 
 
 @pytest.mark.parametrize("own_model", [False, True])

@@ -29,6 +29,10 @@ def compute_score(response, answer):
         return float("nan")
     if response == "text":
         return "1.0"
+    if response == "inf":
+        return float("-inf")
+    if response == "none":
+        return None
     if response == "die":
         os._exit(3)
     return 1.0 if response == answer else 0.25
@@ -141,14 +145,21 @@ def test_manager_with_bad_custom_file_fails_at_construction(tmp_path: Path) -> N
 # ---------------------------------------------------------------- manager, inline
 
 def test_inline_manager_scores_and_counts_errors(reward_file: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Raising counts as an error; a non-number, NaN or an infinity as invalid; all score 0.0, and
+    nothing is logged per item (the trainer logs one line per step)."""
     with RewardManager(_custom(reward_file, num_workers=0)) as manager:
         assert manager.worker_pids == []
-        with caplog.at_level(logging.WARNING, logger="periodic_async.reward.manager"):
-            batch = manager.score([("a", "a"), ("raise", "x"), ("b", "c"), ("nan", "x"), ("text", "x")])
-    assert batch == RewardBatch(scores=[1.0, 0.0, 0.25, 0.0, 0.0], num_errors=3, num_timeouts=0)
-    assert "reward item 1: ValueError: boom from the reward fn" in caplog.text
-    assert "reward item 3: ValueError: reward fn returned a non-finite value nan" in caplog.text
-    assert "reward item 4: TypeError: reward fn returned str '1.0', expected a number" in caplog.text
+        with caplog.at_level(logging.DEBUG, logger="periodic_async.reward.manager"):
+            batch = manager.score([("a", "a"), ("raise", "x"), ("b", "c"), ("nan", "x"), ("text", "x"),
+                                   ("inf", "x"), ("none", "x")])
+    assert batch == RewardBatch(scores=[1.0, 0.0, 0.25, 0.0, 0.0, 0.0, 0.0], num_errors=1, num_invalid=4)
+    assert batch.first_error == "ValueError: boom from the reward fn"
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    debug = caplog.text   # each item's cause is kept at debug level
+    assert "reward item 3: reward fn returned a non-finite value nan" in debug
+    assert "reward item 4: reward fn returned str '1.0', expected a number" in debug
+    assert "reward item 5: reward fn returned a non-finite value -inf" in debug
+    assert "reward item 6: reward fn returned NoneType None, expected a number" in debug
 
 
 # ---------------------------------------------------------------- manager, workers
@@ -159,13 +170,15 @@ def test_workers_survive_errors_and_timeouts(reward_file: str, caplog: pytest.Lo
         pids_before = manager.worker_pids
         items = [("a", "a"), ("raise", "x"), ("sleep", "x"), ("b", "c"), ("c", "c"), ("nan", "x")]
         start = time.monotonic()
-        with caplog.at_level(logging.WARNING, logger="periodic_async.reward.manager"):
+        with caplog.at_level(logging.DEBUG, logger="periodic_async.reward.manager"):
             batch = manager.score(items)
         elapsed = time.monotonic() - start
         assert elapsed < 15, f"a 30 s reward fn held the batch for {elapsed:.1f} s"
-        assert batch == RewardBatch(scores=[1.0, 0.0, 0.0, 0.25, 1.0, 0.0], num_errors=2, num_timeouts=1)
-        assert "reward item 2: no result within timeout_s=1 s" in caplog.text
-        assert "reward item 1: ValueError: boom from the reward fn" in caplog.text
+        assert batch == RewardBatch(scores=[1.0, 0.0, 0.0, 0.25, 1.0, 0.0], num_errors=1, num_timeouts=1,
+                                    num_invalid=1)
+        assert batch.first_error == "ValueError: boom from the reward fn"
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert "reward item 2: no result within reward.timeout_s=1 s" in caplog.text
 
         # pebble starts the replacement just after it gives up on the item, so give it a moment
         deadline = time.monotonic() + 5
@@ -184,10 +197,11 @@ def test_workers_survive_errors_and_timeouts(reward_file: str, caplog: pytest.Lo
 
 def test_dead_worker_is_replaced_and_scored_as_error(reward_file: str, caplog: pytest.LogCaptureFixture) -> None:
     with RewardManager(_custom(reward_file, num_workers=1, timeout_s=5.0)) as manager:
-        with caplog.at_level(logging.WARNING, logger="periodic_async.reward.manager"):
+        with caplog.at_level(logging.DEBUG, logger="periodic_async.reward.manager"):
             batch = manager.score([("die", "x"), ("a", "a")])
         assert batch == RewardBatch(scores=[0.0, 1.0], num_errors=1)
-        assert "reward item 0: worker pid" in caplog.text and "died (exit code 3)" in caplog.text
+        assert batch.first_error.startswith("reward worker pid") and "died (exit code 3)" in batch.first_error
+        assert "reward item 0: reward worker pid" in caplog.text
         pids = manager.worker_pids
     assert not any(_alive(pid) for pid in pids)
     with pytest.raises(RuntimeError, match="closed"):
@@ -232,3 +246,44 @@ def test_worker_that_cannot_start_raises_and_closes(tmp_path: Path, child_code: 
         manager.score([("a", "a")])
     assert time.monotonic() - start < 15
     assert manager.worker_pids == [] and not any(_alive(pid) for pid in pids)
+
+
+# ---------------------------------------------------------------- faults over a step
+
+def test_scorer_counts_each_fault_and_summarises_the_step_in_one_line(reward_file: str) -> None:
+    """Groups are scored one by one (periodic mode); the step's stats add up every group's faults
+    and keep the first message, and `reward_fault_summary` is the step's single line."""
+    from periodic_async.rollout.base import RolloutResult
+    from periodic_async.scheduling.group import Group
+    from periodic_async.scheduling.producer import RolloutStats
+    from periodic_async.scheduling.scorer import Scorer, reward_fault_summary
+
+    def group(index: int, responses: list[str]) -> Group:
+        results = [RolloutResult(index, k, [1], [ord(c) for c in r], [0.0] * len(r), "stop", 0)
+                   for k, r in enumerate(responses)]
+        return Group(index, [1], "a", results)
+
+    with RewardManager(_custom(reward_file, num_workers=1, timeout_s=1.0)) as manager:
+        scorer = Scorer(manager, lambda ids: "".join(chr(i) for i in ids), "grpo")
+        stats = RolloutStats()
+        groups = [group(0, ["a", "raise", "b", "nan"]), group(1, ["sleep", "text", "a", "raise"]),
+                  group(2, ["a", "b", "c", "a"])]
+        for g in groups:
+            scorer.score([g], stats)
+    assert [g.rewards for g in groups] == [[1.0, 0.0, 0.25, 0.0], [0.0, 0.0, 1.0, 0.0], [1.0, 0.25, 0.25, 1.0]]
+    assert (stats.num_errors, stats.num_timeouts, stats.num_invalid) == (2, 1, 2)
+    summary = reward_fault_summary(stats, num_items=12)
+    assert summary == ("reward fn failed on 5 of 12 responses, scored 0.0 (2 raised or lost their worker, "
+                       "1 timed out, 2 returned a non-number or non-finite value); first: ValueError: boom "
+                       "from the reward fn")
+    assert reward_fault_summary(RolloutStats(), num_items=12) is None
+
+
+def test_custom_reward_needs_a_worker_so_that_a_hang_ends(reward_file: str) -> None:
+    """Inline scoring has no time limit, so a custom fn must run in a worker: there a hang ends at
+    reward.timeout_s (test_workers_survive_errors_and_timeouts)."""
+    from periodic_async.config import ConfigError, load_config
+    cfg = load_config("configs/default.yaml", ["reward.name=custom", f"reward.custom_file={reward_file}"])
+    assert cfg.reward.num_workers == 0
+    with pytest.raises(ConfigError, match=r"reward.num_workers: 0 .* not allowed for reward.name 'custom'"):
+        cfg.validate()

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from periodic_async.config import ConfigError, load_config
     from periodic_async.memory_plan import GiB, plan_memory, resolve_arch
-    from periodic_async.models.mcore import UnsupportedModel
+    from periodic_async.errors import InputError
     try:
         cfg = load_config(a.config, a.overrides)
         arch, source = resolve_arch(cfg)
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         nproc = a.nproc or tp * pp
         cfg.validate(world_size=nproc, num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,
                      vocab_size=arch.vocab_size, num_layers=arch.num_layers)
-    except (ConfigError, UnsupportedModel) as e:
+    except (ConfigError, InputError) as e:   # InputError: an unreadable or unsupported config.json
         print(f"config error: {e}", file=sys.stderr)
         return 2
     gib = a.device_memory_gb if a.device_memory_gb is not None else DEFAULT_DEVICE_GIB.get(cfg.backend)

@@ -78,6 +78,24 @@ class MixedPrecisionAdamW:
             if main is not None:
                 main.grad.zero_()
 
+    def state_dict(self) -> dict:
+        """AdamW's state and the fp32 main weights (the bf16 model weights are their rounding)."""
+        return {"adamw": self.inner.state_dict(),
+                "main": [self._main[id(p)].detach().clone() for p in self.model_params if id(p) in self._main]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        mains = [self._main[id(p)] for p in self.model_params if id(p) in self._main]
+        if len(state["main"]) != len(mains):
+            raise ValueError(f"optimizer state has {len(state['main'])} fp32 main weights, this model "
+                             f"{len(mains)} (model.dtype or actor.fp32_master_weights differ)")
+        for main, saved in zip(mains, state["main"]):
+            main.copy_(saved)
+        self.inner.load_state_dict(state["adamw"])
+        for p in self.model_params:
+            if id(p) in self._main:
+                p.copy_(self._main[id(p)])
+
     @property
     def lr(self) -> float:
         return self.inner.param_groups[0]["lr"]

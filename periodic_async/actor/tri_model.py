@@ -419,6 +419,31 @@ class TriModelActor:
         grads = [grad_of(p) for p in params if param_is_not_tensor_parallel_duplicate(p)]
         return float(get_grad_norm_fp32(grads, grad_stats_parallel_group=ps.get_model_parallel_group()))
 
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict:
+        """This rank's shard: the policy's weights and the optimizer (fp32 main weights, AdamW).
+        The reference is its checkpoint's; the old model is the policy at a batch start, which is
+        where checkpoints are taken - neither is saved."""
+        return {"policy": {k: v.detach().clone() for k, v in self.policy.state_dict().items() if v is not None},
+                "optimizer": self.optimizer.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        mine = {k: v for k, v in self.policy.state_dict().items() if v is not None}
+        missing = sorted(set(mine) - set(state["policy"]))
+        if missing:
+            raise ValueError(f"checkpoint lacks policy tensors {missing[:3]} (another model or layout)")
+        for name, saved in state["policy"].items():
+            if name not in mine:
+                raise ValueError(f"checkpoint has policy tensor '{name}', which this model lacks (another model or layout)")
+            if mine[name] is not None and hasattr(saved, "shape") and tuple(saved.shape) != tuple(mine[name].shape):
+                raise ValueError(f"checkpoint tensor '{name}' has shape {tuple(saved.shape)}, this rank's shard "
+                                 f"{tuple(mine[name].shape)} (tensor/pipeline parallel sizes or model differ)")
+        self.policy.load_state_dict(state["policy"], strict=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.old_is_current = False
+        self.refresh_old()
+
     # ------------------------------------------------------------------ weights
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-layout (name, tensor) pairs of the policy, gathered over TP and PP in buckets of

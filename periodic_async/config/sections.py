@@ -53,9 +53,20 @@ class DataConfig:
     answer_key: str = "answer"
     synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
     train_batch_size: int = 32  # prompts per step
-    max_prompt_length: int = 64
+    max_prompt_length: int = 64   # tokens of the rendered prompt (template + chat template)
     shuffle: bool = True
     seed: int = 1
+    # How a record becomes prompt tokens (data/prompts.py). prompt_template: a format string
+    # with {prompt} (literal braces doubled: {{ }}); null: the source's own (gsm8k: the question +
+    # its '####' instruction, others: the prompt as is). chat_template: auto (the tokenizer's
+    # chat template when it has one, else the text as is) | none; system_prompt (null: none) goes
+    # in as a system message and needs a chat template.
+    prompt_template: Optional[str] = None
+    chat_template: str = "auto"
+    system_prompt: Optional[str] = None
+    # A rendered prompt over max_prompt_length: error (stop, naming the record) | skip (draw
+    # another record instead; counted) | truncate_left (keep the last max_prompt_length tokens; counted).
+    overlong_prompt: str = "error"
 
 
 @dataclass
@@ -171,6 +182,12 @@ class TrainerConfig:
     # A step whose gradient norm is not finite is skipped (no optimizer update) and counted; this
     # many in a row stop the run.
     max_nonfinite_steps: int = 5
+    # Checkpoints (train/checkpoint.py) every this many steps (0: never) into run_dir/checkpoints,
+    # the last keep_checkpoints kept. resume: auto (the newest checkpoint in run_dir, if any) |
+    # none | a checkpoint directory.
+    save_every: int = 50
+    keep_checkpoints: int = 2
+    resume: str = "auto"
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import string
 from typing import Any, Optional
 
 from .loading import ConfigError
@@ -18,6 +19,12 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
     _choice("backend", cfg.backend, ("cpu", "cuda", "npu"))
     _choice("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16"))
     _choice("data.source", cfg.data.source, ("synthetic", "gsm8k", "jsonl", "parquet", "hf"))
+    _choice("data.chat_template", cfg.data.chat_template, ("auto", "none"))
+    _choice("data.overlong_prompt", cfg.data.overlong_prompt, ("error", "skip", "truncate_left"))
+    check_prompt_template(cfg.data.prompt_template)
+    if cfg.data.system_prompt is not None and cfg.data.chat_template == "none":
+        raise ConfigError("data.system_prompt: a system prompt needs a chat template; set data.chat_template: auto "
+                          "or put the text in data.prompt_template")
     _choice("rollout.engine", cfg.rollout.engine, ("hf", "vllm"))
     _choice("rollout.load_format", cfg.rollout.load_format, ("auto", "dummy"))
     _choice("rollout.weight_sync", cfg.rollout.weight_sync, ("shm", "broadcast"))
@@ -53,6 +60,9 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
                           "actor.old_logp_shortcut: false, so that every epoch's old log-probs come from the "
                           "same (frozen) old model")
     _positive("trainer.max_nonfinite_steps", cfg.trainer.max_nonfinite_steps)
+    _positive("trainer.keep_checkpoints", cfg.trainer.keep_checkpoints)
+    if cfg.trainer.save_every < 0:
+        raise ConfigError(f"trainer.save_every: must be >= 0 (0: no checkpoints), got {cfg.trainer.save_every}")
     if not 0 < cfg.rollout.gpu_memory_utilization <= 1:
         raise ConfigError(f"rollout.gpu_memory_utilization: must be in (0, 1], got {cfg.rollout.gpu_memory_utilization}")
     if cfg.actor.export_bucket_mb <= 0:
@@ -79,6 +89,10 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
         raise ConfigError(f"data.path: required when data.source is '{cfg.data.source}'")
     if cfg.reward.name == "custom" and not cfg.reward.custom_file:
         raise ConfigError("reward.custom_file: required when reward.name is 'custom'")
+    if cfg.reward.name == "custom" and cfg.reward.num_workers == 0:
+        # inline scoring has no time limit: a custom fn that hangs would hang the run
+        raise ConfigError("reward.num_workers: 0 (inline scoring, no reward.timeout_s) is not allowed for "
+                          "reward.name 'custom'; use >= 1 worker processes")
     _positive("rollout.n", cfg.rollout.n)
     if cfg.rollout.n < 2:
         raise ConfigError(f"rollout.n: group size must be >= 2 for group-normalised advantages, got {cfg.rollout.n}")
@@ -135,6 +149,22 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
         if tiny.hidden_size % tiny.num_heads:
             raise ConfigError("model.tiny.num_heads: must divide model.tiny.hidden_size")
     return cfg
+
+
+def check_prompt_template(template: Optional[str]) -> None:
+    """data.prompt_template must format with `prompt` alone: a stray {name} or an unpaired brace
+    would otherwise fail on the first record, deep inside a step."""
+    if template is None:
+        return
+    try:
+        fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+        template.format(prompt="")
+    except (ValueError, KeyError, IndexError) as e:
+        raise ConfigError(f"data.prompt_template: {template!r} is not a format string with {{prompt}} "
+                          f"({type(e).__name__}: {e}); write literal braces as {{{{ }}}}") from None
+    if fields != {"prompt"}:
+        raise ConfigError(f"data.prompt_template: {template!r} must contain {{prompt}} (where the record's "
+                          f"prompt goes) and no other field; write literal braces as {{{{ }}}}")
 
 
 def _get(cfg: Any, dotted: str) -> Any:

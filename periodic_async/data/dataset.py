@@ -14,7 +14,7 @@ from typing import Any, Optional
 import numpy as np
 
 from periodic_async.config import DataConfig
-from periodic_async.data.gsm8k_task import extract_gsm8k_answer, format_gsm8k_prompt, sample_path
+from periodic_async.data.gsm8k_task import extract_gsm8k_answer, sample_path
 from periodic_async.data.records import DatasetError, PromptRecord
 from periodic_async.data.synthetic import make_records
 
@@ -58,7 +58,7 @@ def read_jsonl(path: str, prompt_key: str, answer_key: str) -> list[PromptRecord
                 continue
             where = f"{path}:{lineno}"
             try:
-                row = json.loads(line)
+                row = json.loads(line.rstrip("\r\n"))   # a column past the line end would read as "column 1"
             except json.JSONDecodeError as e:
                 raise DatasetError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(row, dict):
@@ -143,7 +143,9 @@ def read_hf(path: str, prompt_key: str, answer_key: str, split: str = "train",
 
 
 def load_gsm8k_sample() -> list[PromptRecord]:
-    """The shipped GSM8K rows with formatted prompts and the extracted gold answer ('72')."""
+    """The shipped GSM8K rows: the question as it is and the extracted gold answer ('72'). The
+    '####' instruction is added by data.prompt_template (data/prompts.py), as for any other source,
+    so that a prompt is templated in one place only."""
     path = sample_path()
     records = read_jsonl(path, *_GSM8K_KEYS)
     for rec in records:
@@ -151,7 +153,6 @@ def load_gsm8k_sample() -> list[PromptRecord]:
             rec.answer = extract_gsm8k_answer(rec.answer)
         except ValueError as e:
             raise DatasetError(f"{path}: row index {rec.index}: {e}") from None
-        rec.prompt = format_gsm8k_prompt(rec.prompt)
     return records
 
 
@@ -204,12 +205,14 @@ class PromptLoader:
             self._order_epoch = self.epoch
         return self._order
 
-    def next_batch(self) -> list[PromptRecord]:
-        """Exactly batch_size records; a batch runs on into the next epoch when this one ends."""
+    def next_batch(self, n: Optional[int] = None) -> list[PromptRecord]:
+        """Exactly n (default batch_size) records; a batch runs on into the next epoch when this one
+        ends. The planner asks for single records to replace prompts it skips."""
+        n = self.batch_size if n is None else n
         batch: list[PromptRecord] = []
-        while len(batch) < self.batch_size:
+        while len(batch) < n:
             order = self._epoch_order()
-            take = min(self.batch_size - len(batch), len(order) - self.position)
+            take = min(n - len(batch), len(order) - self.position)
             batch.extend(self.records[i] for i in order[self.position:self.position + take])
             self.position += take
             if self.position == len(order):
@@ -228,6 +231,7 @@ class PromptLoader:
             if state.get(key) != mine[key]:
                 raise ValueError(f"PromptLoader.load_state_dict: saved {key}={state.get(key)!r} "
                                  f"but this loader has {key}={mine[key]!r}")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
         if not 0 <= state["position"] < len(self.records) or state["epoch"] < 0:
             raise ValueError(f"PromptLoader.load_state_dict: bad epoch/position {state['epoch']}/{state['position']}")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])

@@ -12,6 +12,8 @@ import re
 
 ANSWER_MARKER = "####"
 PROMPT_SUFFIX = "\nLet's think step by step and output the final answer after \"####\"."
+# data.prompt_template's value for source gsm8k when it is null (data/prompts.py)
+PROMPT_TEMPLATE = "{prompt}" + PROMPT_SUFFIX
 
 # A comma between digits groups thousands ("1,000"); any other comma is left alone.
 _THOUSANDS_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
@@ -35,7 +37,7 @@ def extract_gsm8k_answer(answer_field: str) -> str:
 
 def format_gsm8k_prompt(question: str) -> str:
     """The question followed by the instruction that makes the model end with '#### <answer>'."""
-    return question + PROMPT_SUFFIX
+    return PROMPT_TEMPLATE.format(prompt=question)
 
 
 def sample_path() -> str:

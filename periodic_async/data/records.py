@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from periodic_async.errors import InputError
 
-class DatasetError(ValueError):
+
+class DatasetError(InputError):
     """A dataset that cannot be read; the message names the file and the line or row at fault."""
 
 

@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .mcore import ModelArch
+from .mcore import CheckpointError, ModelArch
 
 TensorGetter = Callable[[str], torch.Tensor]
 
@@ -129,29 +129,47 @@ def mcore_to_hf_full(gather: TensorGetter, arch: ModelArch) -> Iterator[tuple[st
 # ---------------------------------------------------------------------- checkpoint I/O
 
 class SafetensorsReader:
-    """Lazy reader over a HF directory's safetensors files (single file or sharded with an index)."""
+    """Lazy reader over a HF directory's safetensors files (single file or sharded with an index).
+    A missing, truncated or unreadable file raises CheckpointError naming it."""
 
     def __init__(self, path: str):
-        from safetensors import safe_open
         index = os.path.join(path, "model.safetensors.index.json")
         single = os.path.join(path, "model.safetensors")
         if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+            weight_map = _read_weight_map(index)
         elif os.path.exists(single):
             weight_map = None
         else:
-            raise FileNotFoundError(f"model.path: {path} has no model.safetensors or model.safetensors.index.json "
-                                    "(only safetensors checkpoints are supported)")
+            raise CheckpointError(f"model.path: {path} has no model.safetensors or model.safetensors.index.json "
+                                  "(only safetensors checkpoints are supported)")
         self._path = path
         self._handles: dict[str, object] = {}
-        self._open = lambda fn: safe_open(os.path.join(path, fn), framework="pt")
         if weight_map is None:
             h = self._open("model.safetensors")
-            self._handles["model.safetensors"] = h
             weight_map = {k: "model.safetensors" for k in h.keys()}
         self._weight_map = weight_map
         self.used: set[str] = set()
+
+    def _open(self, fn: str):
+        """The file's handle, opened once; safe_open reads and checks only the header (it refuses a
+        file shorter than the header says, i.e. truncated), the tensors are mapped lazily."""
+        if fn not in self._handles:
+            from safetensors import SafetensorError, safe_open
+            file = os.path.join(self._path, fn)
+            if not os.path.exists(file):
+                raise CheckpointError(f"{file}: file not found (listed in model.safetensors.index.json)")
+            try:
+                self._handles[fn] = safe_open(file, framework="pt")
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{file}: not a readable safetensors file ({e}); "
+                                      "re-download or re-save the checkpoint") from None
+        return self._handles[fn]
+
+    def check(self) -> None:
+        """Open every file of the checkpoint, so that a missing or truncated shard is found before
+        any model is built rather than halfway through loading it."""
+        for fn in sorted(set(self._weight_map.values())):
+            self._open(fn)
 
     def names(self) -> set[str]:
         return set(self._weight_map)
@@ -161,9 +179,30 @@ class SafetensorsReader:
         fn = self._weight_map.get(name)
         if fn is None:
             raise KeyError(f"{self._path}: checkpoint has no tensor '{name}'")
-        if fn not in self._handles:
-            self._handles[fn] = self._open(fn)
-        return self._handles[fn].get_tensor(name)
+        from safetensors import SafetensorError
+        try:
+            return self._open(fn).get_tensor(name)
+        except SafetensorError as e:
+            raise CheckpointError(f"{os.path.join(self._path, fn)}: tensor '{name}' cannot be read ({e})") from None
+
+
+def _read_weight_map(index: str) -> dict[str, str]:
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{index}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+    except (KeyError, TypeError):
+        raise CheckpointError(f"{index}: no 'weight_map' object (expected a safetensors index)") from None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: 'weight_map' is a {type(weight_map).__name__}, expected an object")
+    return weight_map
+
+
+def check_checkpoint(path: str) -> None:
+    """CheckpointError naming the file if the directory's safetensors files are missing, truncated
+    or unreadable; cheap (headers only)."""
+    SafetensorsReader(path).check()
 
 
 def load_hf_checkpoint(model: torch.nn.Module, arch: ModelArch, path: str) -> None:

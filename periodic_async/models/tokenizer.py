@@ -38,12 +38,26 @@ def load_tokenizer(path: str):
     import json
     import os
     from transformers import AutoTokenizer
+    from .mcore import CheckpointError
+    # without any vocabulary file transformers builds an empty tokenizer (one token) and says nothing
+    vocab_files = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, fn)) for fn in vocab_files) \
+            and not any(fn.endswith(".tiktoken") for fn in os.listdir(path)):
+        raise CheckpointError(f"model.path: {path} has no tokenizer ({', '.join(vocab_files)} or *.tiktoken)")
     cfg_path = os.path.join(path, "tokenizer_config.json")
-    if os.path.exists(cfg_path):
-        with open(cfg_path) as f:
-            if json.load(f).get("periodic_async_char_tokenizer"):
-                return PreTrainedTokenizerFast.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(path)
+    # transformers reports a missing or broken tokenizer as OSError / ValueError from deep inside
+    # from_pretrained; the directory is named here so that it reads as the input error it is
+    try:
+        if os.path.exists(cfg_path):
+            with open(cfg_path) as f:
+                if json.load(f).get("periodic_async_char_tokenizer"):
+                    return PreTrainedTokenizerFast.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"model.path: no tokenizer can be loaded from {path} "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
 def mark_char_tokenizer(path: str) -> None:

@@ -2,8 +2,11 @@
 
 A reward function is user code (a custom file, a math checker that can hang on a pathological
 expression), so it runs in separate processes: an item that overruns `timeout_s` costs one worker,
-which is killed and replaced, and never the training run. A function that raises, or returns
-something that is not a finite number, scores 0.0 and is counted; training goes on.
+which is killed and replaced, and never the training run. A function that raises, overruns or
+returns something that is not a finite number scores 0.0 and is counted (`RewardBatch`: errors,
+timeouts, invalid, and the first message); training goes on. Nothing is logged per item (a broken
+reward fn would write a line per response, hundreds a step): the trainer logs one summary line
+per step (scheduling/scorer.py: `reward_fault_summary`).
 
 The pool is pebble's ProcessPool: it runs each item with a time limit counted from the moment a
 worker takes it (so a worker's start-up never counts), kills and replaces a worker that overruns or
@@ -28,13 +31,14 @@ import threading
 import time
 from concurrent import futures
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Optional
 
 from pebble import ProcessExpired, ProcessPool
 
 from periodic_async.config import RewardConfig
+from periodic_async.errors import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +55,7 @@ _LOCK_TIMEOUT_S = 5.0  # how long close() waits for a score() running in another
 _POLL_S = 0.1          # how often score() checks on the workers while it waits for results
 
 
-class RewardFnError(ValueError):
+class RewardFnError(InputError):
     """The reward function cannot be resolved or loaded; the message names the file and function."""
 
 
@@ -62,8 +66,20 @@ class RewardWorkerError(RuntimeError):
 @dataclass
 class RewardBatch:
     scores: list[float]
-    num_errors: int = 0
-    num_timeouts: int = 0
+    num_errors: int = 0     # the fn raised, or its worker died
+    num_timeouts: int = 0   # no result within reward.timeout_s
+    num_invalid: int = 0    # the fn returned a non-number, NaN or an infinity
+    # the first failure's message, for the step's summary line; not part of equality, the counts are
+    first_error: Optional[str] = field(default=None, compare=False)
+
+    def fail(self, index: int, kind: str, message: str) -> None:
+        """Item `index` scored 0.0 because of `kind` (error | timeout | invalid)."""
+        self.scores[index] = 0.0
+        counter = {"error": "num_errors", "timeout": "num_timeouts", "invalid": "num_invalid"}[kind]
+        setattr(self, counter, getattr(self, counter) + 1)
+        if self.first_error is None:
+            self.first_error = message
+        logger.debug("reward item %d: %s; scored 0.0", index, message)
 
 
 # ---------------------------------------------------------------- resolving and loading
@@ -122,22 +138,31 @@ def load_reward_fn(fn_ref: RewardFnRef) -> RewardFn:
 
 # ---------------------------------------------------------------- calling
 
+class _InvalidScore(ValueError):
+    """The fn returned, but not a finite number."""
+
+
 def _as_score(value: Any) -> float:
-    """A finite float, or an exception: a NaN or a string reward would poison the advantages."""
+    """A finite float, or _InvalidScore: a NaN or a string reward would poison the advantages."""
     if not isinstance(value, numbers.Real):
-        raise TypeError(f"reward fn returned {type(value).__name__} {repr(value)[:80]}, expected a number")
+        raise _InvalidScore(f"reward fn returned {type(value).__name__} {repr(value)[:80]}, expected a number")
     score = float(value)
     if not math.isfinite(score):
-        raise ValueError(f"reward fn returned a non-finite value {score}")
+        raise _InvalidScore(f"reward fn returned a non-finite value {score}")
     return score
 
 
-def _call_reward(fn: RewardFn, response: str, answer: str) -> tuple[float, Optional[str]]:
-    """(score, None) on success, (0.0, error text) when fn raises or returns a bad value."""
+def _call_reward(fn: RewardFn, response: str, answer: str) -> tuple[float, Optional[tuple[str, str]]]:
+    """(score, None) on success; (0.0, (kind, message)) when fn raises (kind 'error') or returns
+    a bad value ('invalid')."""
     try:
-        return _as_score(fn(response, answer)), None
+        value = fn(response, answer)
     except Exception as e:
-        return 0.0, f"{type(e).__name__}: {e}"
+        return 0.0, ("error", f"{type(e).__name__}: {e}")
+    try:
+        return _as_score(value), None
+    except _InvalidScore as e:
+        return 0.0, ("invalid", str(e))
 
 
 # ---------------------------------------------------------------- worker process
@@ -157,7 +182,7 @@ def _init_worker(fn_ref: RewardFnRef, ready: Any) -> None:
     ready.put(("ready", os.getpid(), None))
 
 
-def _score_in_worker(response: str, answer: str) -> tuple[float, Optional[str]]:
+def _score_in_worker(response: str, answer: str) -> tuple[float, Optional[tuple[str, str]]]:
     return _call_reward(_worker_fn, response, answer)
 
 
@@ -242,16 +267,15 @@ class RewardManager:
     def _score_inline(self, items: list[tuple[str, str]]) -> RewardBatch:
         batch = RewardBatch(scores=[0.0] * len(items))
         for index, (response, answer) in enumerate(items):
-            score, error = _call_reward(self._fn, response, answer)
-            self._record(batch, index, score, error)
+            self._record(batch, index, *_call_reward(self._fn, response, answer))
         return batch
 
     @staticmethod
-    def _record(batch: RewardBatch, index: int, score: float, error: Optional[str]) -> None:
-        batch.scores[index] = score
-        if error is not None:
-            batch.num_errors += 1
-            logger.warning("reward item %d: %s; scored 0.0", index, error)
+    def _record(batch: RewardBatch, index: int, score: float, failure: Optional[tuple[str, str]]) -> None:
+        if failure is None:
+            batch.scores[index] = score
+        else:
+            batch.fail(index, *failure)
 
     # ------------------------------------------------------------ workers
 
@@ -349,16 +373,14 @@ class RewardManager:
             self._record(batch, index, *future.result())
             return False
         if isinstance(error, BrokenProcessPool):
-            batch.num_errors += 1
+            batch.fail(index, "error", "the reward worker pool broke (a worker died while idle)")
             return True
         if isinstance(error, futures.TimeoutError):  # pebble's, the worker overran
-            batch.num_timeouts += 1
-            logger.warning("reward item %d: no result within timeout_s=%g s; scored 0.0, its worker was "
-                           "killed and replaced", index, self.cfg.timeout_s)
+            batch.fail(index, "timeout", f"no result within reward.timeout_s={self.cfg.timeout_s:g} s "
+                                         "(its worker was killed and replaced)")
         elif isinstance(error, ProcessExpired):
-            batch.num_errors += 1
-            logger.warning("reward item %d: worker pid %s died (exit code %s); scored 0.0, worker replaced",
-                           index, error.pid, error.exitcode)
+            batch.fail(index, "error", f"reward worker pid {error.pid} died (exit code {error.exitcode}); "
+                                       "replaced")
         else:
-            self._record(batch, index, 0.0, f"{type(error).__name__}: {error}")
+            batch.fail(index, "error", f"{type(error).__name__}: {error}")
         return False

@@ -32,8 +32,10 @@ class RolloutStats:
     t_dispatch: float = 0.0
     t_last_group: float = 0.0
     reward_s: float = 0.0
-    num_errors: int = 0
+    num_errors: int = 0        # reward items scored 0.0 (reward/manager.py: RewardBatch), by cause
     num_timeouts: int = 0
+    num_invalid: int = 0
+    first_reward_error: str | None = None
     results: list[RolloutResult] = field(default_factory=list)   # for timelines and idle ratios
 
     @property

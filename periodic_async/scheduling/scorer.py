@@ -30,3 +30,17 @@ class Scorer:
         stats.reward_s += time.perf_counter() - t0
         stats.num_errors += scored.num_errors
         stats.num_timeouts += scored.num_timeouts
+        stats.num_invalid += scored.num_invalid
+        if stats.first_reward_error is None:
+            stats.first_reward_error = scored.first_error
+
+
+def reward_fault_summary(stats, num_items: int) -> str | None:
+    """One line for a step's reward failures (None if there were none): the trainer logs it once
+    per step instead of a line per item, which a broken reward fn would turn into hundreds."""
+    failed = stats.num_errors + stats.num_timeouts + stats.num_invalid
+    if not failed:
+        return None
+    return (f"reward fn failed on {failed} of {num_items} responses, scored 0.0 ({stats.num_errors} raised or "
+            f"lost their worker, {stats.num_timeouts} timed out, {stats.num_invalid} returned a non-number or "
+            f"non-finite value); first: {stats.first_reward_error}")

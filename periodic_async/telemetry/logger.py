@@ -28,14 +28,28 @@ def format_console(step: int, metrics: dict) -> str:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str, tensorboard: bool = True, enabled: bool = True):
+    def __init__(self, run_dir: str, tensorboard: bool = True, enabled: bool = True,
+                 resume_after_step: Optional[int] = None):
+        """resume_after_step: a resumed run keeps the records of steps up to this one (the
+        checkpoint's) and drops later ones, which the resumed run writes again."""
         self.enabled = enabled
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._tb = None
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
+        kept = []
+        if resume_after_step is not None and os.path.exists(self.path):
+            with open(self.path) as f:
+                for line in f:
+                    try:
+                        if json.loads(line)["step"] <= resume_after_step:
+                            kept.append(line if line.endswith("\n") else line + "\n")
+                    except (ValueError, KeyError):
+                        break          # a line cut by the kill: everything after it is gone too
         self._file = open(self.path, "w")
+        self._file.writelines(kept)
+        self._file.flush()
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

@@ -46,6 +46,7 @@ def rollout_metrics(groups, stats, step_s: float, num_engines: int, restarts: in
         "rollout/group_size/mean": statistics.fmean(g.size for g in groups),
         "rollout/solve_all_ratio": sum(max(g.rewards) >= 1.0 for g in groups) / len(groups),
         "reward/num_errors": stats.num_errors, "reward/num_timeouts": stats.num_timeouts,
+        "reward/num_invalid": stats.num_invalid,
         "timing_s/gen": stats.gen_s, "timing_s/reward": stats.reward_s,
         "rollouter/idle_ratio": max(0.0, 1.0 - busy_s / step_s),
         "rollouter/restarts": restarts,

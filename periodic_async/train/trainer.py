@@ -27,6 +27,7 @@ from ..config import Config, config_to_dict
 from ..models.mcore import arch_from_hf_dir
 from ..models.tiny import tiny_arch
 from ..rollout.base import SamplingParams
+from ..scheduling.scorer import reward_fault_summary
 from ..scheduling.staleness import STRICT
 from ..telemetry import step_metrics
 from ..telemetry.logger import MetricsLogger
@@ -56,6 +57,15 @@ class Trainer:
         arch = arch_from_hf_dir(cfg.model.path) if cfg.model.path else tiny_arch(cfg.model.tiny)
         cfg.validate(world_size=int(os.environ.get("WORLD_SIZE", "1")), num_heads=arch.num_heads,
                      num_kv_heads=arch.num_kv_heads, vocab_size=arch.vocab_size, num_layers=arch.num_layers)
+        # Every rank reads the checkpoint's headers and the dataset before anything is started, so
+        # that a missing file or a bad row stops every rank with the same one-line error
+        # (__main__), not rank 0 alone halfway through set-up while the others wait on it.
+        if cfg.model.path:
+            from ..models.convert import check_checkpoint
+            check_checkpoint(cfg.model.path)
+        from ..data.dataset import load_records
+        records = load_records(cfg.data)
+        self._records = records if int(os.environ.get("RANK", "0")) == 0 else None   # rank 0's loader's
         self.backend = get_backend(cfg.backend)
         self.memory_plan = self._check_memory(arch)
         self.rank, self.world, self.local_rank = self.backend.init_distributed()
@@ -75,6 +85,8 @@ class Trainer:
 
         from ..models.tokenizer import load_tokenizer
         self.tokenizer = load_tokenizer(self.model_dir)
+        from ..data import prompts
+        self.prompts = prompts.build(cfg.data, self.tokenizer, where=f"the tokenizer of {self.model_dir}")
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.eos_id = self.tokenizer.eos_token_id
         self.staleness = STRICT
@@ -82,18 +94,61 @@ class Trainer:
                                    temperature=cfg.rollout.temperature or 1.0, with_reference=True,
                                    pad_token_id=self.pad_id)
         self.version = 0
+        self.start_step = 0             # the last step done (a resumed run's checkpoint step)
+        self.nonfinite_in_a_row = 0
         self.reward = self.producer = self.planner = None
         self.timeline = Timeline()
-        # the workers' version 0: the policy's export, streamed into the pool's buffer on rank 0
+        meta = self._resume()
+        # the workers' first weights: the policy's export (version 0, or the checkpoint's),
+        # streamed into the pool's buffer on rank 0
         initial = self.actor.export_weights() if cfg.trainer.mode != "sync" else None
         if self.rank == 0:
             self.planner = self._build_planner()
+            if meta is not None:
+                self.planner.loader.load_state_dict(meta["loader"])
             self.producer = self._build_producer(worker_placements, initial)
         elif initial is not None:
             drain(initial)
-        self.metrics = MetricsLogger(cfg.trainer.run_dir, cfg.trainer.tensorboard, enabled=self.rank == 0)
+        if cfg.trainer.mode == "sync" and self.version > 0:
+            named = self.actor.export_weights()     # the colocated engine starts from the checkpoint
+            if self.producer is not None:
+                self.producer.update_weights(named, self.version)
+            else:
+                drain(named)
+        self.metrics = MetricsLogger(cfg.trainer.run_dir, cfg.trainer.tensorboard, enabled=self.rank == 0,
+                                     resume_after_step=self.start_step if meta is not None else None)
 
     # ------------------------------------------------------------------ set-up
+    def _layout(self) -> dict:
+        from megatron.core import parallel_state as ps
+        return {"tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+                "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+                "data_parallel_size": self.dp_size}
+
+    def _resume(self) -> dict | None:
+        """Load trainer.resume's checkpoint into the actor and the step counters; returns its meta
+        (None when starting fresh)."""
+        from .checkpoint import load_checkpoint, resolve_resume
+        path = resolve_resume(self.cfg.trainer.resume, self.cfg.trainer.run_dir)
+        if path is None:
+            return None
+        meta, state = load_checkpoint(path, self.rank, self.world, self._layout())
+        self.actor.load_state_dict(state)
+        self.version, self.start_step = int(meta["version"]), int(meta["step"])
+        self.nonfinite_in_a_row = int(meta.get("nonfinite_in_a_row", 0))
+        if self.rank == 0:
+            log.info("resumed from %s (step %d, policy version %d)", path, self.start_step, self.version)
+        return meta
+
+    def save_checkpoint(self, step: int) -> str:
+        """A checkpoint of the state after `step` (collective: every rank calls it)."""
+        from .checkpoint import save_checkpoint
+        meta = {"version": self.version, "layout": self._layout(), "nonfinite_in_a_row": self.nonfinite_in_a_row,
+                "loader": self.planner.loader.state_dict() if self.planner is not None else None,
+                "config": config_to_dict(self.cfg)}
+        return save_checkpoint(self.cfg.trainer.run_dir, step, self.rank, self.world, self.actor.state_dict(),
+                               meta, self.cfg.trainer.keep_checkpoints)
+
     def _check_memory(self, arch):
         """Refuse, before anything is started or built, a config that cannot fit a device
         (memory_plan.py: model state exact, activations and KV cache estimated); every rank plans
@@ -129,10 +184,10 @@ class Trainer:
         return path
 
     def _build_planner(self):
-        from ..data.dataset import PromptLoader, load_records
+        from ..data.dataset import PromptLoader
         from ..scheduling.plan import BatchPlanner
         cfg = self.cfg
-        loader = PromptLoader(load_records(cfg.data), cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)
+        loader = PromptLoader(self._records, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)
         sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k,
                                   cfg.rollout.max_new_tokens, (self.eos_id,) if self.eos_id is not None else ())
         return BatchPlanner(loader, self._tokenize_prompt, sampling, cfg.trainer.seed, default_n=cfg.rollout.n)
@@ -162,17 +217,13 @@ class Trainer:
                                   bucket_bytes=int(cfg.actor.export_bucket_mb * (1 << 20)), dtype=cfg.model.dtype)
         pool = WorkerPool(settings, placements, hf_layout(self.arch), torch_dtype(cfg.model.dtype),
                           cfg.rollout.worker_timeout_s, initial_weights=initial, staleness=self.staleness,
-                          remote_workers=cfg.rollout.remote_workers, remote_address=cfg.rollout.remote_address)
+                          remote_workers=cfg.rollout.remote_workers, remote_address=cfg.rollout.remote_address,
+                          initial_version=self.version)
         return WorkerProducer(pool, scorer, cfg.rollout.queue_size, wait_for_batch=cfg.trainer.mode == "sync_split")
 
-    def _tokenize_prompt(self, record) -> list[int]:
-        ids = self.tokenizer(record.prompt, add_special_tokens=False).input_ids
-        if len(ids) > self.cfg.data.max_prompt_length:
-            raise ValueError(f"data: prompt of record {record.index} has {len(ids)} tokens, more than "
-                             f"data.max_prompt_length={self.cfg.data.max_prompt_length}")
-        if not ids:
-            raise ValueError(f"data: prompt of record {record.index} is empty")
-        return ids
+    def _tokenize_prompt(self, record) -> list[int] | None:
+        """The record's prompt ids (data/prompts.py); None: leave it out (data.overlong_prompt: skip)."""
+        return self.prompts.render(record)
 
     # ------------------------------------------------------------------ one step
     def _check_group(self, group) -> None:
@@ -184,6 +235,7 @@ class Trainer:
         sizes = groups = None
         if self.rank == 0:
             plan = self.planner.plan(step)
+            prompt_counts = self.prompts.pop_counts()   # this batch's skipped / truncated prompts
             self.producer.start(plan)
             sizes, groups = plan.group_sizes, self.producer.groups()
         feed = GroupFeed(sizes, groups, self.feed_group)
@@ -200,9 +252,13 @@ class Trainer:
         metrics["trainer/idle_ratio"] = batch.wait_s / step_s
         if self.rank == 0:
             stats = self.producer.stats
+            metrics.update(prompt_counts)
             metrics.update(step_metrics.rollout_metrics(
                 batch.groups, stats, step_s, num_engines=self._num_engines(),
                 restarts=getattr(getattr(self.producer, "pool", None), "restarts", 0)))
+            reward_faults = reward_fault_summary(stats, sum(g.size for g in batch.groups))
+            if reward_faults:
+                log.warning("step %d: %s", step, reward_faults)
             metrics.update(step_metrics.overlap_metrics((stats.t_dispatch, stats.t_last_group),
                                                         batch.train_intervals))
             if cfg.trainer.record_timeline:
@@ -239,13 +295,18 @@ class Trainer:
         if self.rank == 0 and cfg.progress_bar:
             from tqdm import tqdm
             bar = tqdm(total=cfg.total_steps, desc=f"GRPO ({cfg.mode})", unit="step", dynamic_ncols=True)
-        skipped_in_a_row = 0
+        skipped_in_a_row = self.nonfinite_in_a_row
+        if bar is not None:
+            bar.update(self.start_step)
         try:
-            for step in range(1, cfg.total_steps + 1):
+            for step in range(self.start_step + 1, cfg.total_steps + 1):
                 metrics = self.step(step)
                 history.append(metrics)
                 skipped_in_a_row = skipped_in_a_row + 1 if metrics["actor/step_skipped"] else 0
+                self.nonfinite_in_a_row = skipped_in_a_row
                 metrics["trainer/nonfinite_steps_in_a_row"] = skipped_in_a_row
+                if cfg.save_every and step % cfg.save_every == 0:
+                    self.save_checkpoint(step)
                 line = self.metrics.log(step, metrics)
                 if skipped_in_a_row:
                     log.warning("step %d: gradient norm %s is not finite; the update was skipped (%d in a row)",

@@ -1,0 +1,114 @@
+"""Checkpoints and exact resume (train/checkpoint.py).
+
+The end-to-end test SIGKILLs `python -m periodic_async` (periodic mode, one rollout worker) in the
+middle of step 4, resumes with trainer.resume=auto from the step-2 checkpoint, and compares every
+later step and the final weights with an uninterrupted run of the same config; the HF export of
+the resumed run's last checkpoint (python -m periodic_async.export) is the uninterrupted run's
+final policy.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from periodic_async.config import load_config
+from periodic_async.telemetry.logger import read_metrics
+from periodic_async.train.trainer import Trainer
+
+STEPS = 4
+COMMON = ["trainer.mode=periodic", "rollout.num_workers=1", "trainer.progress_bar=false", "trainer.save_final=false",
+          "data.train_batch_size=8", "rollout.n=4", "rollout.max_new_tokens=4", "actor.micro_batch_size=6",
+          "actor.kl_coef=0.1", "reward.num_workers=0", "actor.adam_eps=1e-4", "trainer.tensorboard=false",
+          "trainer.save_every=2", "trainer.keep_checkpoints=2", "rollout.arrival_jitter_s=0.03"]
+KEYS = ["actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "critic/score/mean"]
+
+
+def _fit(run_dir, *extra):
+    trainer = Trainer(load_config("configs/default.yaml", [*COMMON, f"trainer.run_dir={run_dir}",
+                                                           f"trainer.total_steps={STEPS}", *extra]))
+    history = trainer.fit()
+    return trainer, history, {n: p.detach().clone() for n, p in trainer.actor.policy.named_parameters()}
+
+
+def test_sigkilled_run_resumes_exactly(tmp_path):
+    _, want, want_params = _fit(tmp_path / "straight", "trainer.save_final=true")
+
+    run_dir = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "periodic_async", "--config", "configs/default.yaml", *COMMON,
+           f"trainer.run_dir={run_dir}", f"trainer.total_steps={STEPS}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break                       # step 3 logged: step 4 is running, the last checkpoint is step 2
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before it could be killed mid-step"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert os.path.isdir(run_dir / "checkpoints" / "step_000002")
+
+    trainer, got, got_params = _fit(run_dir)          # trainer.resume: auto (the default)
+    assert trainer.start_step == 2 and [h["training/policy_version"] for h in got] == [3, 4]
+    for step, (g, w) in enumerate(zip(got, want[2:]), 3):
+        for k in KEYS:
+            assert g[k] == pytest.approx(w[k], rel=1e-5, abs=1e-7), f"step {step} {k}: {g[k]} vs {w[k]}"
+    for n in want_params:      # completion-order summation differs between runs (see test_periodic)
+        torch.testing.assert_close(got_params[n], want_params[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    assert [r["step"] for r in read_metrics(str(run_dir))] == [1, 2, 3, 4]     # nothing lost or doubled
+    kept = sorted(os.listdir(run_dir / "checkpoints"))
+    assert kept == ["step_000002", "step_000004"], kept                     # keep_checkpoints: 2
+
+    out = tmp_path / "exported"
+    subprocess.run([sys.executable, "-m", "periodic_async.export", str(run_dir / "checkpoints" / "step_000004"),
+                    str(out)], check=True, capture_output=True, timeout=300)
+    from periodic_async.models.convert import SafetensorsReader
+    exported, final, init = (SafetensorsReader(str(d)) for d in (out, tmp_path / "straight" / "final_hf",
+                                                                   run_dir / "model_init"))
+    assert sorted(exported.names()) == sorted(final.names())
+    for n in sorted(exported.names()):
+        torch.testing.assert_close(exported(n), final(n), rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        assert not torch.equal(exported(n), init(n)) or "norm" in n, n             # training moved it
+
+
+def test_checkpoint_of_another_layout_or_a_partial_one_is_refused(tmp_path):
+    from periodic_async.train.checkpoint import RunCheckpointError, load_checkpoint, resolve_resume
+    root = tmp_path / "checkpoints"
+    (root / ".tmp-step_000004").mkdir(parents=True)                  # a write cut short
+    (root / "step_000003").mkdir()                                    # no meta.json: incomplete
+    done = root / "step_000002"
+    done.mkdir()
+    layout = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1, "data_parallel_size": 1}
+    (done / "meta.json").write_text(json.dumps({"step": 2, "version": 2, "layout": layout}))
+    assert resolve_resume("auto", str(tmp_path)) == str(done)
+    assert resolve_resume("none", str(tmp_path)) is None
+    with pytest.raises(RunCheckpointError, match="no meta.json"):
+        resolve_resume(str(root / "step_000003"), str(tmp_path))
+    with pytest.raises(RunCheckpointError, match=r"tensor_model_parallel_size 2 \(checkpoint\) vs 1 \(this run\)"):
+        load_checkpoint(str(done), 0, 1, {**layout, "tensor_model_parallel_size": 1})
+
+
+def test_disk_full_while_checkpointing_keeps_the_previous_checkpoint(tmp_path, dist_cpu, monkeypatch):
+    import errno
+
+    from periodic_async.train import checkpoint
+    state = {"policy": {"w": torch.ones(2)}}
+    first = checkpoint.save_checkpoint(str(tmp_path), 2, 0, 1, state, {"version": 2}, keep=1)
+    real_save = torch.save
+
+    def full_disk(obj, path, *a, **kw):
+        real_save(obj, path, *a, **kw)          # part of the file is written, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
+    with pytest.raises(checkpoint.RunCheckpointError, match="could not write checkpoint .*step_000004.*No space left"):
+        checkpoint.save_checkpoint(str(tmp_path), 4, 0, 1, state, {"version": 4}, keep=1)
+    assert checkpoint.complete_checkpoints(str(tmp_path)) == [first]       # keep=1 did not delete it
+    assert checkpoint.resolve_resume("auto", str(tmp_path)) == first
+    assert torch.equal(torch.load(os.path.join(first, "rank_00000.pt"), weights_only=False)["policy"]["w"], torch.ones(2))
