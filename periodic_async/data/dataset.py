@@ -231,7 +231,6 @@ class PromptLoader:
             if state.get(key) != mine[key]:
                 raise ValueError(f"PromptLoader.load_state_dict: saved {key}={state.get(key)!r} "
                                  f"but this loader has {key}={mine[key]!r}")
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
         if not 0 <= state["position"] < len(self.records) or state["epoch"] < 0:
             raise ValueError(f"PromptLoader.load_state_dict: bad epoch/position {state['epoch']}/{state['position']}")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
