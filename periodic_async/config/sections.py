@@ -53,6 +53,10 @@ class DataConfig:
     answer_key: str = "answer"
     synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
     train_batch_size: int = 32  # prompts per step
+    # Validation prompts (train/validation.py): val_path, a file in data.source's format (jsonl /
+    # parquet), or else the last val_size records of the training data, held out (0: none).
+    val_path: Optional[str] = None
+    val_size: int = 0
     max_prompt_length: int = 64   # tokens of the rendered prompt (template + chat template)
     shuffle: bool = True
     seed: int = 1
@@ -185,6 +189,10 @@ class TrainerConfig:
     # Checkpoints (train/checkpoint.py) every this many steps (0: never) into run_dir/checkpoints,
     # the last keep_checkpoints kept. resume: auto (the newest checkpoint in run_dir, if any) |
     # none | a checkpoint directory.
+    # Validation (needs data.val_path or data.val_size): before training and every val_every steps
+    # (0: never); val_n sampled responses per prompt besides the greedy one.
+    val_every: int = 0
+    val_n: int = 4
     save_every: int = 50
     keep_checkpoints: int = 2
     resume: str = "auto"

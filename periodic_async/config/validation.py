@@ -61,6 +61,15 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
                           "same (frozen) old model")
     _positive("trainer.max_nonfinite_steps", cfg.trainer.max_nonfinite_steps)
     _positive("trainer.keep_checkpoints", cfg.trainer.keep_checkpoints)
+    _positive("trainer.val_n", cfg.trainer.val_n)
+    if cfg.trainer.val_every < 0 or cfg.data.val_size < 0:
+        raise ConfigError(f"trainer.val_every / data.val_size: must be >= 0, got {cfg.trainer.val_every} / "
+                          f"{cfg.data.val_size}")
+    if cfg.trainer.val_every and not (cfg.data.val_path or cfg.data.val_size):
+        raise ConfigError("trainer.val_every: validation needs prompts: set data.val_path or data.val_size")
+    if cfg.data.val_path and cfg.data.source not in ("jsonl", "parquet"):
+        raise ConfigError(f"data.val_path: read in data.source's format, which must be jsonl or parquet "
+                          f"(got '{cfg.data.source}'); use data.val_size to hold out part of it")
     if cfg.trainer.save_every < 0:
         raise ConfigError(f"trainer.save_every: must be >= 0 (0: no checkpoints), got {cfg.trainer.save_every}")
     if not 0 < cfg.rollout.gpu_memory_utilization <= 1:

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from ..rollout.base import RolloutResult
+from ..rollout.base import RolloutRequest, RolloutResult
 from .group import Group, collect_groups
 from .plan import BatchPlan
 from .scorer import Scorer
@@ -55,6 +55,10 @@ class GroupProducer:
     def update_weights(self, named_tensors, version: int) -> None:
         raise NotImplementedError
 
+    def generate_eval(self, requests: list[RolloutRequest]) -> list[RolloutResult]:
+        """Generate requests outside any batch (validation), between batches: every result once."""
+        raise NotImplementedError
+
     @property
     def stats(self) -> RolloutStats:
         return self._stats
@@ -85,6 +89,9 @@ class ColocatedProducer(GroupProducer):
     def update_weights(self, named_tensors, version: int) -> None:
         self.engine.update_weights(named_tensors, version)
 
+    def generate_eval(self, requests: list[RolloutRequest]) -> list[RolloutResult]:
+        return list(self.engine.generate(requests))
+
     def close(self) -> None:
         self.engine.close()
 
@@ -113,6 +120,12 @@ class WorkerProducer(GroupProducer):
         self._stats = RolloutStats()
         self._thread = threading.Thread(target=self._produce, args=(plan,), name="rollout-producer", daemon=True)
         self._thread.start()
+
+    def generate_eval(self, requests: list[RolloutRequest]) -> list[RolloutResult]:
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("validation while a batch is being generated: run it between batches")
+        self.pool.dispatch(requests)
+        return list(self.pool.results())
 
     def _produce(self, plan: BatchPlan) -> None:
         """Dispatch the batch, assemble groups as their K responses finish, score, enqueue."""

@@ -64,8 +64,11 @@ class Trainer:
             from ..models.convert import check_checkpoint
             check_checkpoint(cfg.model.path)
         from ..data.dataset import load_records
-        records = load_records(cfg.data)
-        self._records = records if int(os.environ.get("RANK", "0")) == 0 else None   # rank 0's loader's
+        from .validation import split_validation
+        records, val_records = split_validation(load_records(cfg.data), cfg.data)
+        rank0 = int(os.environ.get("RANK", "0")) == 0
+        self._records = records if rank0 else None   # rank 0's loader's
+        self._val_records = val_records if rank0 else None
         self.backend = get_backend(cfg.backend)
         self.memory_plan = self._check_memory(arch)
         self.rank, self.world, self.local_rank = self.backend.init_distributed()
@@ -117,6 +120,17 @@ class Trainer:
                 drain(named)
         self.metrics = MetricsLogger(cfg.trainer.run_dir, cfg.trainer.tensorboard, enabled=self.rank == 0,
                                      resume_after_step=self.start_step if meta is not None else None)
+        self.validator = None
+        if self.rank == 0 and cfg.trainer.val_every and self._val_records:
+            from .validation import Validator
+            self.validator = Validator(self._val_records, self._tokenize_prompt, self.planner.sampling,
+                                       cfg.trainer.val_n, cfg.trainer.seed, cfg.data.source)
+
+    def validate(self) -> dict[str, float]:
+        """Validation metrics of the policy the rollout side holds now (rank 0; {} elsewhere)."""
+        if self.validator is None:
+            return {}
+        return self.validator.run(self.producer, self.reward, self.producer.scorer.decode)
 
     # ------------------------------------------------------------------ set-up
     def _layout(self) -> dict:
@@ -299,8 +313,12 @@ class Trainer:
         if bar is not None:
             bar.update(self.start_step)
         try:
+            if self.validator is not None and self.start_step == 0:
+                self.metrics.log(0, self.validate())          # before training
             for step in range(self.start_step + 1, cfg.total_steps + 1):
                 metrics = self.step(step)
+                if self.validator is not None and step % cfg.val_every == 0:
+                    metrics.update(self.validate())           # the policy after this step's sync
                 history.append(metrics)
                 skipped_in_a_row = skipped_in_a_row + 1 if metrics["actor/step_skipped"] else 0
                 self.nonfinite_in_a_row = skipped_in_a_row
