@@ -112,3 +112,35 @@ def test_disk_full_while_checkpointing_keeps_the_previous_checkpoint(tmp_path, d
     assert checkpoint.complete_checkpoints(str(tmp_path)) == [first]       # keep=1 did not delete it
     assert checkpoint.resolve_resume("auto", str(tmp_path)) == first
     assert torch.equal(torch.load(os.path.join(first, "rank_00000.pt"), weights_only=False)["policy"]["w"], torch.ones(2))
+
+
+def test_tp2_run_resumes_exactly_under_torchrun(tmp_path):
+    """TP=2 under torchrun: each rank saves and loads its own shard. A run resumed from its step-2
+    checkpoint (the step-4 one removed, as if the run had died in step 3) repeats steps 3-4 and
+    ends with the same policy as the uninterrupted run."""
+    import shutil
+
+    from test_tensor_parallel import _run_torchrun
+
+    from periodic_async.models.convert import SafetensorsReader
+    run_dir = tmp_path / "tp2"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "periodic_async", "--config", "configs/default.yaml", "trainer.mode=sync",
+           "parallel.tensor_model_parallel_size=2", "trainer.progress_bar=false", "data.train_batch_size=4",
+           "rollout.n=4", "rollout.max_new_tokens=4", "actor.micro_batch_size=8", "actor.kl_coef=0.1",
+           "reward.num_workers=0", "actor.adam_eps=1e-4", "trainer.tensorboard=false", "trainer.save_every=2",
+           "trainer.total_steps=4", f"trainer.run_dir={run_dir}"]
+    _run_torchrun(cmd, timeout=400)
+    want = read_metrics(str(run_dir))
+    shutil.move(str(run_dir / "final_hf"), str(tmp_path / "straight_final"))
+    shutil.rmtree(run_dir / "checkpoints" / "step_000004")
+    assert sorted(os.listdir(run_dir / "checkpoints" / "step_000002")) == ["meta.json", "rank_00000.pt", "rank_00001.pt"]
+    _run_torchrun(cmd, timeout=400)                   # trainer.resume: auto -> step 2
+    got = read_metrics(str(run_dir))
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for g, w in zip(got, want):
+        for k in KEYS:
+            assert g[k] == pytest.approx(w[k], rel=1e-5, abs=1e-7), (g["step"], k)
+    a, b = SafetensorsReader(str(run_dir / "final_hf")), SafetensorsReader(str(tmp_path / "straight_final"))
+    for n in sorted(a.names()):
+        torch.testing.assert_close(a(n), b(n), rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
