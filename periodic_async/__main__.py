@@ -22,9 +22,6 @@ def _quiet_third_party() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _raise_keyboard_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="periodic_async", description=__doc__,
@@ -47,9 +44,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # SIGTERM unwinds like Ctrl-C, so that every `finally` runs and the rollout workers and reward
     # processes are stopped and joined (no orphans).
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    # During training the first SIGTERM / Ctrl-C finishes the step, writes a checkpoint and stops
+    # (train/stop.py); otherwise, or the second time, it unwinds like Ctrl-C.
+    from .train.stop import STOP
+    signal.signal(signal.SIGTERM, STOP.handle_signal)
     # and Ctrl-C / SIGINT does the same even when the launching shell ignored it (a background job)
-    signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
+    signal.signal(signal.SIGINT, STOP.handle_signal)
     from .errors import InputError
     from .train.trainer import Trainer
     # An input error (a missing or truncated model file, a bad dataset row: errors.py) is one line

@@ -241,10 +241,19 @@ class Backend:
     def init_model_parallel(self, tp: int, pp: int, seed: int) -> None:
         """Megatron-core parallel groups (TP x PP x DP over the default group) and RNG."""
         from megatron.core import parallel_state
+        from torch.distributed import distributed_c10d
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
+        # Megatron's destroy only drops its references: the process groups stay registered, each
+        # with gloo threads that poll (~50 threads per initialisation on CPU). A process that
+        # re-initialises (in-process tests, tools) destroys the ones the previous call made.
+        for group in _MEGATRON_GROUPS:
+            if group in distributed_c10d._world.pg_map:
+                dist.destroy_process_group(group)
+        before = set(distributed_c10d._world.pg_map)
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        _MEGATRON_GROUPS[:] = [g for g in distributed_c10d._world.pg_map if g not in before]
         self.manual_seed(seed)
 
 
@@ -260,6 +269,9 @@ class Backend:
             return dist.ProcessGroupNCCL(store, rank, size, opts)
         import torch_npu  # noqa: F401
         return torch_npu._C._distributed_c10d.ProcessGroupHCCL(store, rank, size, timeout)  # type: ignore[attr-defined]
+
+
+_MEGATRON_GROUPS: list = []      # the process groups of the last initialize_model_parallel
 
 
 def _free_port() -> int:

@@ -126,3 +126,17 @@ def test_unknown_role():
     with pytest.raises(ValueError, match="allowed trainer, rollout"):
         get_backend("cpu", role="evaluator")
     get_backend("cpu")
+
+
+def test_reinitialising_model_parallel_does_not_leak_process_groups(dist_cpu):
+    """Every in-process test and tool re-initialises Megatron's groups; each set holds gloo threads
+    that poll. Without destroying the previous set, a long test session accumulated ~3000 threads
+    and spent about a core on them."""
+    import os
+    from torch.distributed import distributed_c10d
+    dist_cpu.init_model_parallel(1, 1, seed=0)
+    groups, threads = len(distributed_c10d._world.pg_map), len(os.listdir("/proc/self/task"))
+    for _ in range(3):
+        dist_cpu.init_model_parallel(1, 1, seed=0)
+    assert len(distributed_c10d._world.pg_map) == groups
+    assert len(os.listdir("/proc/self/task")) <= threads + 2

@@ -37,31 +37,71 @@ def _fit(run_dir, *extra):
     return trainer, history, {n: p.detach().clone() for n, p in trainer.actor.policy.named_parameters()}
 
 
-def test_sigkilled_run_resumes_exactly(tmp_path):
-    _, want, want_params = _fit(tmp_path / "straight", "trainer.save_final=true")
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted run the interrupted ones must equal."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    _, history, params = _fit(run_dir, "trainer.save_final=true")
+    return run_dir, history, params
 
-    run_dir = tmp_path / "killed"
+
+def _start(run_dir) -> subprocess.Popen:
+    """The run as a user starts it; its output goes to a file (a pipe nobody reads while the test
+    waits would fill up and block it)."""
     cmd = [sys.executable, "-m", "periodic_async", "--config", "configs/default.yaml", *COMMON,
            f"trainer.run_dir={run_dir}", f"trainer.total_steps={STEPS}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    metrics = run_dir / "metrics.jsonl"
+    log = open(f"{run_dir}.log", "w")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _wait_for_lines(proc, metrics, n: int) -> None:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-            break                       # step 3 logged: step 4 is running, the last checkpoint is step 2
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
+            return
         time.sleep(0.02)
-    assert proc.poll() is None, "the run ended before it could be killed mid-step"
+    assert proc.poll() is None, "the run ended before the signal"
+
+
+def _assert_resumed_equal(got, got_params, want, want_params, first_step: int) -> None:
+    for step, (g, w) in enumerate(zip(got, want[first_step - 1:]), first_step):
+        for k in KEYS:
+            assert g[k] == pytest.approx(w[k], rel=1e-5, abs=1e-7), f"step {step} {k}: {g[k]} vs {w[k]}"
+    for n in want_params:      # completion-order summation differs between runs (see test_periodic)
+        torch.testing.assert_close(got_params[n], want_params[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def test_sigterm_stops_after_the_step_with_a_checkpoint_and_resumes(straight, tmp_path):
+    _, want, want_params = straight
+    run_dir = tmp_path / "stopped"
+    proc = _start(run_dir)
+    _wait_for_lines(proc, run_dir / "metrics.jsonl", 1)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    out = open(f"{run_dir}.log").read()
+    assert proc.returncode == 130, out[-3000:]
+    assert "stopping after this step, with a checkpoint" in out and "interrupted:" in out
+    done = [r["step"] for r in read_metrics(str(run_dir))]
+    assert done and done[-1] < STEPS, done
+    assert os.path.isdir(run_dir / "checkpoints" / f"step_{done[-1]:06d}")       # the last finished step
+    trainer, got, got_params = _fit(run_dir)
+    assert trainer.start_step == done[-1]
+    _assert_resumed_equal(got, got_params, want, want_params, done[-1] + 1)
+
+
+def test_sigkilled_run_resumes_exactly(straight, tmp_path):
+    straight_dir, want, want_params = straight
+
+    run_dir = tmp_path / "killed"
+    proc = _start(run_dir)
+    _wait_for_lines(proc, run_dir / "metrics.jsonl", 3)   # step 3 logged: step 4 runs, last checkpoint step 2
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     assert os.path.isdir(run_dir / "checkpoints" / "step_000002")
 
     trainer, got, got_params = _fit(run_dir)          # trainer.resume: auto (the default)
     assert trainer.start_step == 2 and [h["training/policy_version"] for h in got] == [3, 4]
-    for step, (g, w) in enumerate(zip(got, want[2:]), 3):
-        for k in KEYS:
-            assert g[k] == pytest.approx(w[k], rel=1e-5, abs=1e-7), f"step {step} {k}: {g[k]} vs {w[k]}"
-    for n in want_params:      # completion-order summation differs between runs (see test_periodic)
-        torch.testing.assert_close(got_params[n], want_params[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    _assert_resumed_equal(got, got_params, want, want_params, 3)
     assert [r["step"] for r in read_metrics(str(run_dir))] == [1, 2, 3, 4]     # nothing lost or doubled
     kept = sorted(os.listdir(run_dir / "checkpoints"))
     assert kept == ["step_000002", "step_000004"], kept                     # keep_checkpoints: 2
@@ -70,7 +110,7 @@ def test_sigkilled_run_resumes_exactly(tmp_path):
     subprocess.run([sys.executable, "-m", "periodic_async.export", str(run_dir / "checkpoints" / "step_000004"),
                     str(out)], check=True, capture_output=True, timeout=300)
     from periodic_async.models.convert import SafetensorsReader
-    exported, final, init = (SafetensorsReader(str(d)) for d in (out, tmp_path / "straight" / "final_hf",
+    exported, final, init = (SafetensorsReader(str(d)) for d in (out, straight_dir / "final_hf",
                                                                    run_dir / "model_init"))
     assert sorted(exported.names()) == sorted(final.names())
     for n in sorted(exported.names()):

@@ -312,6 +312,8 @@ class Trainer:
         skipped_in_a_row = self.nonfinite_in_a_row
         if bar is not None:
             bar.update(self.start_step)
+        from .stop import STOP
+        STOP.in_loop = True
         try:
             if self.validator is not None and self.start_step == 0:
                 self.metrics.log(0, self.validate())          # before training
@@ -323,8 +325,6 @@ class Trainer:
                 skipped_in_a_row = skipped_in_a_row + 1 if metrics["actor/step_skipped"] else 0
                 self.nonfinite_in_a_row = skipped_in_a_row
                 metrics["trainer/nonfinite_steps_in_a_row"] = skipped_in_a_row
-                if cfg.save_every and step % cfg.save_every == 0:
-                    self.save_checkpoint(step)
                 line = self.metrics.log(step, metrics)
                 if skipped_in_a_row:
                     log.warning("step %d: gradient norm %s is not finite; the update was skipped (%d in a row)",
@@ -342,15 +342,34 @@ class Trainer:
                         bar.set_postfix(score=f"{metrics['critic/score/mean']:.3f}")
                     else:
                         print(line, flush=True)
+                # after the step's metrics line: a checkpoint never runs ahead of metrics.jsonl
+                saved = cfg.save_every and step % cfg.save_every == 0
+                if saved:
+                    self.save_checkpoint(step)
+                if self._stop_requested(STOP.requested):
+                    if not saved:
+                        self.save_checkpoint(step)
+                    raise KeyboardInterrupt(f"stopped after step {step} (checkpoint written)")
             if cfg.record_timeline and self.rank == 0:
                 self.timeline.write(os.path.join(cfg.run_dir, "timeline.jsonl"))
             if cfg.save_final:
                 self.save_hf(os.path.join(cfg.run_dir, "final_hf"))
         finally:
+            STOP.in_loop = False
             if bar is not None:
                 bar.close()
             self.close()
         return history
+
+    def _stop_requested(self, mine: bool) -> bool:
+        """Whether any rank got a stop signal: all ranks stop at the same boundary (one tiny
+        all-reduce per step on the gloo feed group)."""
+        if self.world == 1:
+            return mine
+        import torch
+        flag = torch.tensor([1 if mine else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.feed_group)
+        return bool(flag.item())
 
     def save_hf(self, out_dir: str) -> None:
         from ..models.convert import save_hf_checkpoint
