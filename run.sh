@@ -117,6 +117,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC_PER_NODE > 0 ? $
 if (( NNODES * NPROC_PER_NODE == 1 )); then
   exec "$PY" -m periodic_async "${args[@]}"
 fi
-exec "$PY" -m torch.distributed.run --nnodes "$NNODES" --node_rank "${NODE_RANK:-0}" \
+# periodic_async.launch: torchrun, but a rank's one-line input error (exit 2) stays the last word
+exec "$PY" -m periodic_async.launch --nnodes "$NNODES" --node_rank "${NODE_RANK:-0}" \
   --nproc_per_node "$NPROC_PER_NODE" --master_addr "${MASTER_ADDR:-127.0.0.1}" \
   --master_port "${MASTER_PORT:-29500}" -m periodic_async "${args[@]}"

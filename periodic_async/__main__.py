@@ -11,6 +11,8 @@ import signal
 import sys
 import warnings
 
+from .errors import INPUT_ERROR_EXIT_CODE
+
 
 def _quiet_third_party() -> None:
     # Megatron-core warns about Apex/TE being absent on every import; they are optional here.
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)   # validated by the Trainer, against the model
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return INPUT_ERROR_EXIT_CODE
     # SIGTERM unwinds like Ctrl-C, so that every `finally` runs and the rollout workers and reward
     # processes are stopped and joined (no orphans).
     # During training the first SIGTERM / Ctrl-C finishes the step, writes a checkpoint and stops
@@ -59,10 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return INPUT_ERROR_EXIT_CODE
     except (BackendUnavailable, InputError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return INPUT_ERROR_EXIT_CODE
     except KeyboardInterrupt:   # e.g. torchrun stopping this rank because another one failed
         print("interrupted during set-up", file=sys.stderr)
         return 130
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         history = trainer.fit()
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return INPUT_ERROR_EXIT_CODE
     except NonFiniteTraining as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

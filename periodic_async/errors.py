@@ -6,6 +6,9 @@ the code itself stay ordinary exceptions, with their traceback.
 """
 from __future__ import annotations
 
+# The exit code of a config or input error (launch.py keeps it when it launches the ranks).
+INPUT_ERROR_EXIT_CODE = 2
+
 
 class InputError(ValueError):
     """An expected user error; the message names the config key, file or line at fault."""

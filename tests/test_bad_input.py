@@ -183,22 +183,46 @@ def test_cli_invalid_or_incomplete_jsonl_is_one_line_exit_2(tmp_path):
 
 def test_cli_bad_jsonl_under_torchrun_every_rank_exits_2_with_one_line(tmp_path):
     """Each rank reads the dataset before the process group exists, so every rank fails alike (no
-    rank waits on rank 0 and is killed with a traceback). The launcher then reports its own
-    ChildFailedError summary; each rank's stderr (--redirects) is just the one line."""
+    rank waits on rank 0 and is killed with a traceback). Each rank's stderr (--redirects) is just
+    the one line, and the launcher run.sh uses (periodic_async.launch) exits 2 as the ranks did,
+    without torchrun's ChildFailedError summary (plain torchrun: exit 1 and the summary)."""
     invalid, _ = _bad_jsonl(tmp_path)
     logs = tmp_path / "logs"
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     # --monitor-interval 10: the launcher stops the other ranks as soon as it sees one fail; looking
     # first after 10 s, it finds both failed by themselves (in ~5 s) rather than one still reading
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    proc = subprocess.run([sys.executable, "-m", "periodic_async.launch", "--standalone", "--nproc_per_node", "2",
                            "--monitor-interval", "10", "--log-dir", str(logs), "--redirects", "2",
                            "-m", "periodic_async", "--config", DEFAULT, f"trainer.run_dir={tmp_path / 'run'}",
                            "data.source=jsonl", f"data.path={invalid}"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode != 0
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
     stderr_files = sorted(logs.rglob("stderr.log"))
     assert len(stderr_files) == 2, (sorted(logs.rglob("*")), proc.stderr[-3000:])
     for f in stderr_files:
         assert f.read_text().splitlines() == [f"error: {invalid}:2: invalid JSON (Expecting value at column 31)"], \
             (f, f.read_text()[-3000:])
-    assert "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]
+    assert "ChildFailedError" not in proc.stderr and "Root Cause" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_launcher_exit_codes(monkeypatch, capsys):
+    """periodic_async.launch: a rank's input error (2) is the launcher's exit code, without the
+    summary; any other failure prints torchrun's summary and keeps the first failed rank's code."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    from periodic_async import launch
+
+    def failing(codes):
+        def run(args):
+            failures = {rank: ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file="")
+                        for rank, code in enumerate(codes)}
+            raise ChildFailedError("periodic_async", failures)
+        return run
+
+    argv = ["--standalone", "--nproc_per_node", "2", "-m", "periodic_async"]
+    for codes, expected, summary in (([2, -15], 2, False), ([-15, 2], 2, False), ([130, 130], 130, True),
+                                     ([1, -15], 1, True), ([-9, -15], 1, True)):
+        monkeypatch.setattr(torchrun, "run", failing(codes))
+        assert launch.main(argv) == expected, codes
+        err = capsys.readouterr().err
+        assert ("exitcode" in err) == summary, (codes, err)

@@ -255,3 +255,33 @@ def test_loader_rejects_bad_arguments_and_foreign_state() -> None:
         PromptLoader(_records(4), batch_size=1, shuffle=True, seed=0).load_state_dict(state)
     with pytest.raises(ValueError, match="saved seed=0 but this loader has seed=1"):
         PromptLoader(_records(3), batch_size=1, shuffle=True, seed=1).load_state_dict(state)
+
+
+def test_skip_bad_rows_leaves_out_each_bad_row_and_counts_them(tmp_path: Path, caplog) -> None:
+    good = [{"question": f"q{i}", "answer": str(i)} for i in range(4)]
+    path = _write_lines(tmp_path / "x.jsonl", [
+        json.dumps(good[0]), '{"question": "b",', json.dumps(good[1]), "[1]", "",
+        json.dumps({"question": "c"}), json.dumps(good[2]), json.dumps({"question": None, "answer": "1"}),
+        json.dumps(good[3])])
+    strict = DataConfig(source="jsonl", path=path)
+    with pytest.raises(DatasetError, match=r"x\.jsonl:2: invalid JSON"):
+        load_records(strict)
+    with caplog.at_level("WARNING"):
+        records = load_records(DataConfig(source="jsonl", path=path, skip_bad_rows=True))
+    # the good rows, in order, renumbered 0.. (the loader's indices stay contiguous)
+    assert records == [PromptRecord(g["question"], g["answer"], i) for i, g in enumerate(good)]
+    warning = " ".join(r.getMessage() for r in caplog.records)
+    assert "left out 4 bad row(s)" in warning and f"{path}:2: invalid JSON" in warning
+    assert f"{path}:4: expected a JSON object" in warning and f"{path}:6: missing key 'answer'" in warning
+
+    # Parquet: a null is a bad row; a missing column stays an error
+    pq.write_table(pa.table({"question": ["a", None, "c"], "answer": ["1", "2", "3"]}), str(tmp_path / "x.parquet"))
+    cfg = DataConfig(source="parquet", path=str(tmp_path / "x.parquet"), skip_bad_rows=True)
+    assert load_records(cfg) == [PromptRecord("a", "1", 0), PromptRecord("c", "3", 1)]
+    pq.write_table(pa.table({"question": ["a"]}), str(tmp_path / "y.parquet"))
+    with pytest.raises(DatasetError, match="missing column 'answer'"):
+        load_records(DataConfig(source="parquet", path=str(tmp_path / "y.parquet"), skip_bad_rows=True))
+    # nothing good left: an error, not an empty dataset
+    bad = _write_lines(tmp_path / "z.jsonl", ["[1]", "{"])
+    with pytest.raises(DatasetError, match=r"z\.jsonl: every row is bad \(2 rows; the first: .*z\.jsonl:1: expected"):
+        load_records(DataConfig(source="jsonl", path=bad, skip_bad_rows=True))

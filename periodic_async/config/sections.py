@@ -71,6 +71,9 @@ class DataConfig:
     # A rendered prompt over max_prompt_length: error (stop, naming the record) | skip (draw
     # another record instead; counted) | truncate_left (keep the last max_prompt_length tokens; counted).
     overlong_prompt: str = "error"
+    # A bad row (invalid JSON, not an object, missing key, null value) stops the run with its file
+    # and line (false), or is left out and counted in a warning (true). A missing column is always an error.
+    skip_bad_rows: bool = False
 
 
 @dataclass

@@ -8,6 +8,7 @@ message says exactly where it is. `PromptLoader` walks epochs forever in an orde
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any, Optional
 
@@ -22,6 +23,8 @@ from periodic_async.data.synthetic import make_records
 DATASETS_PIN = "datasets==5.2.0"
 
 _GSM8K_KEYS = ("question", "answer")
+
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------- readers
@@ -48,8 +51,20 @@ def _record(row: dict, prompt_key: str, answer_key: str, index: int, where: str)
                         index=index)
 
 
-def read_jsonl(path: str, prompt_key: str, answer_key: str) -> list[PromptRecord]:
-    """One JSON object per line; blank lines are skipped and do not count as rows."""
+def _jsonl_row(line: str, where: str) -> dict:
+    try:
+        row = json.loads(line.rstrip("\r\n"))   # a column past the line end would read as "column 1"
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(row, dict):
+        raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    return row
+
+
+def read_jsonl(path: str, prompt_key: str, answer_key: str,
+               bad_rows: Optional[list[str]] = None) -> list[PromptRecord]:
+    """One JSON object per line; blank lines are skipped and do not count as rows. `bad_rows`: None
+    raises on the first bad row; a list collects each bad row's error and leaves the row out."""
     _require_file(path)
     records: list[PromptRecord] = []
     with open(path, encoding="utf-8") as f:
@@ -58,27 +73,35 @@ def read_jsonl(path: str, prompt_key: str, answer_key: str) -> list[PromptRecord
                 continue
             where = f"{path}:{lineno}"
             try:
-                row = json.loads(line.rstrip("\r\n"))   # a column past the line end would read as "column 1"
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            records.append(_record(row, prompt_key, answer_key, len(records), where))
+                records.append(_record(_jsonl_row(line, where), prompt_key, answer_key, len(records), where))
+            except DatasetError as e:
+                if bad_rows is None:
+                    raise
+                bad_rows.append(str(e))
     return records
 
 
 def _records_from_columns(columns: dict[str, list[Any]], names: list[str], prompt_key: str,
-                          answer_key: str, path: str) -> list[PromptRecord]:
-    """Shared by the Parquet and Hugging Face readers, which both hand over whole columns."""
+                          answer_key: str, path: str, bad_rows: Optional[list[str]] = None) -> list[PromptRecord]:
+    """Shared by the Parquet and Hugging Face readers, which both hand over whole columns. A missing
+    column is always an error; a bad row (null value) is one too unless `bad_rows` collects it."""
     for key in (prompt_key, answer_key):
         if key not in names:
             raise DatasetError(f"{path}: missing column '{key}' (columns present: {', '.join(names) or 'none'})")
-    prompts, answers = columns[prompt_key], columns[answer_key]
-    return [_record({prompt_key: p, answer_key: a}, prompt_key, answer_key, i, f"{path}: row index {i}")
-            for i, (p, a) in enumerate(zip(prompts, answers))]
+    records: list[PromptRecord] = []
+    for i, (p, a) in enumerate(zip(columns[prompt_key], columns[answer_key])):
+        try:
+            records.append(_record({prompt_key: p, answer_key: a}, prompt_key, answer_key, len(records),
+                                   f"{path}: row index {i}"))
+        except DatasetError as e:
+            if bad_rows is None:
+                raise
+            bad_rows.append(str(e))
+    return records
 
 
-def read_parquet(path: str, prompt_key: str, answer_key: str) -> list[PromptRecord]:
+def read_parquet(path: str, prompt_key: str, answer_key: str,
+                 bad_rows: Optional[list[str]] = None) -> list[PromptRecord]:
     """A Parquet file read with pyarrow; only the two needed columns are materialised."""
     import pyarrow.parquet as pq
 
@@ -89,7 +112,7 @@ def read_parquet(path: str, prompt_key: str, answer_key: str) -> list[PromptReco
         table = pq.read_table(path, columns=wanted)
     except Exception as e:  # pyarrow raises several unrelated types for a corrupt file
         raise DatasetError(f"{path}: not a readable Parquet file ({e})") from None
-    return _records_from_columns(table.to_pydict(), names, prompt_key, answer_key, path)
+    return _records_from_columns(table.to_pydict(), names, prompt_key, answer_key, path, bad_rows)
 
 
 def _hf_pick_split(ds: Any, split: str, path: str) -> Any:
@@ -119,7 +142,7 @@ def _hf_load(datasets: Any, path: str, split: str, cache_dir: Optional[str]) -> 
 
 
 def read_hf(path: str, prompt_key: str, answer_key: str, split: str = "train",
-            cache_dir: Optional[str] = None) -> list[PromptRecord]:
+            cache_dir: Optional[str] = None, bad_rows: Optional[list[str]] = None) -> list[PromptRecord]:
     """A Hugging Face dataset from a LOCAL path only; the hub is never contacted.
 
     The path must exist before `datasets` is called, which is what keeps a typo from turning into
@@ -139,7 +162,7 @@ def read_hf(path: str, prompt_key: str, answer_key: str, split: str = "train",
         raise DatasetError(f"{path}: could not load with datasets ({type(e).__name__}: {e})") from None
     names = list(ds.column_names)
     columns = {k: ds[k] for k in (prompt_key, answer_key) if k in names}
-    return _records_from_columns(columns, names, prompt_key, answer_key, path)
+    return _records_from_columns(columns, names, prompt_key, answer_key, path, bad_rows)
 
 
 def load_gsm8k_sample() -> list[PromptRecord]:
@@ -157,7 +180,9 @@ def load_gsm8k_sample() -> list[PromptRecord]:
 
 
 def load_records(cfg: DataConfig) -> list[PromptRecord]:
-    """All records of the configured source, in source order."""
+    """All records of the configured source, in source order. With
+    data.skip_bad_rows a bad row (invalid JSON, missing key, null) is left out, and a warning says
+    how many there were and which came first; a file with no good row is still an error."""
     if cfg.source == "synthetic":
         return make_records(cfg.synthetic, seed=cfg.seed)
     if cfg.source == "gsm8k":
@@ -166,9 +191,19 @@ def load_records(cfg: DataConfig) -> list[PromptRecord]:
     if cfg.source not in readers:
         raise DatasetError(f"data.source: '{cfg.source}' is not allowed; "
                            f"allowed: synthetic, gsm8k, {', '.join(readers)}")
-    if not cfg.path:
+    path = cfg.path
+    if not path:
         raise DatasetError(f"data.path: required when data.source is '{cfg.source}'")
-    return readers[cfg.source](cfg.path, cfg.prompt_key, cfg.answer_key)
+    if not cfg.skip_bad_rows:
+        return readers[cfg.source](path, cfg.prompt_key, cfg.answer_key)
+    bad: list[str] = []
+    records = readers[cfg.source](path, cfg.prompt_key, cfg.answer_key, bad_rows=bad)
+    if bad:
+        if not records:
+            raise DatasetError(f"{path}: every row is bad ({len(bad)} rows; the first: {bad[0]})")
+        log.warning("data.skip_bad_rows: left out %d bad row(s) of %s, e.g. %s", len(bad), path,
+                    "; ".join(bad[:3]))
+    return records
 
 
 # ---------------------------------------------------------------- loader
