@@ -18,6 +18,10 @@ def _quiet_third_party() -> None:
     # Megatron-core warns about Apex/TE being absent on every import; they are optional here.
     warnings.filterwarnings("ignore", module=r"megatron\..*")
     warnings.filterwarnings("ignore", message=r".*Apex is not installed.*")
+    # Megatron's distributed checkpoints go through torch.distributed.checkpoint's ShardedTensor
+    # path, which torch marks deprecated at every save and load.
+    warnings.filterwarnings("ignore", message=r".*deprecating ShardedTensor.*")
+    warnings.filterwarnings("ignore", message=r".*`load_state_dict` is deprecated.*", category=FutureWarning)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()

@@ -54,6 +54,14 @@ def _start(run_dir) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
 def _wait_for_lines(proc, metrics, n: int) -> None:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
@@ -95,8 +103,16 @@ def test_sigkilled_run_resumes_exactly(straight, tmp_path):
     run_dir = tmp_path / "killed"
     proc = _start(run_dir)
     _wait_for_lines(proc, run_dir / "metrics.jsonl", 3)   # step 3 logged: step 4 runs, last checkpoint step 2
-    os.killpg(proc.pid, signal.SIGKILL)
+    os.kill(proc.pid, signal.SIGKILL)                     # the trainer alone: its children must follow
     proc.wait(timeout=30)
+    # no orphan: the rollout worker and the checkpoint writer's manager process die with it
+    deadline = time.monotonic() + 15
+    while _group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    survivors = _group_alive(proc.pid)
+    if survivors:
+        os.killpg(proc.pid, signal.SIGKILL)
+    assert not survivors, "processes outlived the SIGKILLed trainer"
     assert os.path.isdir(run_dir / "checkpoints" / "step_000002")
 
     trainer, got, got_params = _fit(run_dir)          # trainer.resume: auto (the default)
@@ -118,46 +134,72 @@ def test_sigkilled_run_resumes_exactly(straight, tmp_path):
         assert not torch.equal(exported(n), init(n)) or "norm" in n, n             # training moved it
 
 
-def test_checkpoint_of_another_layout_or_a_partial_one_is_refused(tmp_path):
-    from periodic_async.train.checkpoint import RunCheckpointError, load_checkpoint, resolve_resume
+def test_partial_checkpoints_are_never_picked_up(tmp_path):
+    from periodic_async.train.checkpoint import RunCheckpointError, resolve_resume
     root = tmp_path / "checkpoints"
     (root / ".tmp-step_000004").mkdir(parents=True)                  # a write cut short
     (root / "step_000003").mkdir()                                    # no meta.json: incomplete
     done = root / "step_000002"
     done.mkdir()
-    layout = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1, "data_parallel_size": 1}
-    (done / "meta.json").write_text(json.dumps({"step": 2, "version": 2, "layout": layout}))
+    (done / "meta.json").write_text(json.dumps({"step": 2, "version": 2}))
     assert resolve_resume("auto", str(tmp_path)) == str(done)
     assert resolve_resume("none", str(tmp_path)) is None
     with pytest.raises(RunCheckpointError, match="no meta.json"):
         resolve_resume(str(root / "step_000003"), str(tmp_path))
-    with pytest.raises(RunCheckpointError, match=r"tensor_model_parallel_size 2 \(checkpoint\) vs 1 \(this run\)"):
-        load_checkpoint(str(done), 0, 1, {**layout, "tensor_model_parallel_size": 1})
+
+
+def _tiny_actor(tmp_path, name: str, hidden: int):
+    from periodic_async.actor.tri_model import TriModelActor
+    from periodic_async.config import ActorConfig
+    from periodic_async.models.mcore import arch_from_hf_dir
+    from periodic_async.models.tiny import TinyModelConfig, make_tiny_model_dir
+    model_dir = make_tiny_model_dir(TinyModelConfig(hidden_size=hidden, ffn_hidden_size=2 * hidden),
+                                    str(tmp_path / name), seed=0)
+    return TriModelActor(ActorConfig(), arch_from_hf_dir(model_dir), model_dir, with_reference=False)
+
+
+def test_checkpoint_of_another_model_is_refused_naming_the_tensor(tmp_path, megatron_tp1):
+    from periodic_async.train.checkpoint import RunCheckpointError, load_checkpoint, save_checkpoint
+    layout = {"tensor_model_parallel_size": 1}
+    path = save_checkpoint(str(tmp_path), 2, 0, 1, _tiny_actor(tmp_path, "a", 64).sharded_state_dict(),
+                           {"version": 2, "layout": layout}, keep=1)
+    other = _tiny_actor(tmp_path, "b", 32)
+    with pytest.raises(RunCheckpointError, match=r"step_000002 does not fit this model: rank 0: Global shape mismatch .* for key policy\."):
+        load_checkpoint(path, 0, layout, other.sharded_state_dict())
 
 
 def test_disk_full_while_checkpointing_keeps_the_previous_checkpoint(tmp_path, dist_cpu, monkeypatch):
     import errno
 
-    from periodic_async.train import checkpoint
-    state = {"policy": {"w": torch.ones(2)}}
-    first = checkpoint.save_checkpoint(str(tmp_path), 2, 0, 1, state, {"version": 2}, keep=1)
-    real_save = torch.save
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    def full_disk(obj, path, *a, **kw):
-        real_save(obj, path, *a, **kw)          # part of the file is written, then the disk is full
+    from periodic_async.train import checkpoint
+
+    def state():
+        return {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2), replica_id=0)}
+    first = checkpoint.save_checkpoint(str(tmp_path), 2, 0, 1, state(), {"version": 2}, keep=1)
+
+    def full_disk(*a, **kw):   # in Megatron's writer process, at the first tensor written
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
-    with pytest.raises(checkpoint.RunCheckpointError, match="could not write checkpoint .*step_000004.*No space left"):
-        checkpoint.save_checkpoint(str(tmp_path), 4, 0, 1, state, {"version": 4}, keep=1)
+    monkeypatch.setattr(filesystem_async, "_write_item", full_disk)
+    with pytest.raises(checkpoint.RunCheckpointError,
+                       match="could not write checkpoint .*step_000004: rank 0: .*No space left"):
+        checkpoint.save_checkpoint(str(tmp_path), 4, 0, 1, state(), {"version": 4}, keep=1)
     assert checkpoint.complete_checkpoints(str(tmp_path)) == [first]       # keep=1 did not delete it
     assert checkpoint.resolve_resume("auto", str(tmp_path)) == first
-    assert torch.equal(torch.load(os.path.join(first, "rank_00000.pt"), weights_only=False)["policy"]["w"], torch.ones(2))
+    template = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2), replica_id=0)}
+    assert torch.equal(dist_checkpointing.load(template, os.path.join(first, "dist"))["w"], torch.ones(2))
 
 
 def test_tp2_run_resumes_exactly_under_torchrun(tmp_path):
-    """TP=2 under torchrun: each rank saves and loads its own shard. A run resumed from its step-2
-    checkpoint (the step-4 one removed, as if the run had died in step 3) repeats steps 3-4 and
-    ends with the same policy as the uninterrupted run."""
+    """TP=2 under torchrun: a run resumed from its step-2 checkpoint (the step-4 one removed, as if
+    the run had died in step 3) repeats steps 3-4 and ends with the same policy as the
+    uninterrupted run. The same checkpoint resharded to TP=1 (one process) resumes too: steps 3-4
+    and the final policy equal the TP=2 run's to TP's summation-order tolerance, which a lost or
+    misplaced AdamW moment would fail by orders of magnitude; and the single-process export of
+    the TP=2 step-4 checkpoint is the TP=2 run's final policy."""
     import shutil
 
     from test_tensor_parallel import _run_torchrun
@@ -173,8 +215,12 @@ def test_tp2_run_resumes_exactly_under_torchrun(tmp_path):
     _run_torchrun(cmd, timeout=400)
     want = read_metrics(str(run_dir))
     shutil.move(str(run_dir / "final_hf"), str(tmp_path / "straight_final"))
+    subprocess.run([sys.executable, "-m", "periodic_async.export", str(run_dir / "checkpoints" / "step_000004"),
+                    str(tmp_path / "exported")], check=True, timeout=300)
     shutil.rmtree(run_dir / "checkpoints" / "step_000004")
-    assert sorted(os.listdir(run_dir / "checkpoints" / "step_000002")) == ["meta.json", "rank_00000.pt", "rank_00001.pt"]
+    assert sorted(os.listdir(run_dir / "checkpoints" / "step_000002")) == ["dist", "meta.json", "rank_00000.pt",
+                                                                         "rank_00001.pt"]
+    shutil.copytree(run_dir / "checkpoints" / "step_000002", tmp_path / "step_000002")
     _run_torchrun(cmd, timeout=400)                   # trainer.resume: auto -> step 2
     got = read_metrics(str(run_dir))
     assert [r["step"] for r in got] == [1, 2, 3, 4]
@@ -182,5 +228,23 @@ def test_tp2_run_resumes_exactly_under_torchrun(tmp_path):
         for k in KEYS:
             assert g[k] == pytest.approx(w[k], rel=1e-5, abs=1e-7), (g["step"], k)
     a, b = SafetensorsReader(str(run_dir / "final_hf")), SafetensorsReader(str(tmp_path / "straight_final"))
+    exported = SafetensorsReader(str(tmp_path / "exported"))
+    assert sorted(exported.names()) == sorted(b.names())
     for n in sorted(a.names()):
         torch.testing.assert_close(a(n), b(n), rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(exported(n), b(n), rtol=0, atol=0, msg=lambda m: f"export {n}: {m}")
+
+    # resharded: the TP=2 step-2 checkpoint resumed at TP=1 in one process
+    tp1_dir = tmp_path / "tp1"
+    tp1 = [c for c in cmd[cmd.index("--config"):] if not c.startswith(("parallel.", "trainer.run_dir="))]
+    subprocess.run([sys.executable, "-m", "periodic_async", *tp1, f"trainer.run_dir={tp1_dir}",
+                    f"trainer.resume={tmp_path / 'step_000002'}"], check=True, timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                   stdout=open(tmp_path / "tp1.log", "w"), stderr=subprocess.STDOUT)
+    resharded = read_metrics(str(tp1_dir))
+    assert [r["step"] for r in resharded] == [3, 4]
+    for g, w in zip(resharded, want[2:]):
+        for k in KEYS:
+            assert g[k] == pytest.approx(w[k], rel=1e-4, abs=1e-6), (g["step"], k, g[k], w[k])
+    c = SafetensorsReader(str(tp1_dir / "final_hf"))
+    for n in sorted(b.names()):
+        torch.testing.assert_close(c(n), b(n), rtol=1e-4, atol=1e-5, msg=lambda m: f"TP=1 resumed {n}: {m}")

@@ -78,23 +78,55 @@ class MixedPrecisionAdamW:
             if main is not None:
                 main.grad.zero_()
 
-    def state_dict(self) -> dict:
-        """AdamW's state and the fp32 main weights (the bf16 model weights are their rounding)."""
-        return {"adamw": self.inner.state_dict(),
-                "main": [self._main[id(p)].detach().clone() for p in self.model_params if id(p) in self._main]}
+    # ------------------------------------------------------------------ checkpoint
+    # Megatron-core's distributed checkpoint: each fp32 main weight and AdamW moment is saved with
+    # the sharding of its model parameter (Megatron's dist_checkpointing.optimizer helpers), so a
+    # checkpoint of one TP / PP / DP layout loads into another.
+    _MOMENTS = ("exp_avg", "exp_avg_sq")
+
+    def _main_of(self, p: torch.nn.Parameter) -> torch.Tensor:
+        return self._main.get(id(p), p)
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict) -> dict:
+        """{"main": {i: ShardedTensor}, "exp_avg" / "exp_avg_sq": {i: ShardedTensor}, "step": int}
+        for model parameter i; `model_sharded_state_dict`: the model's (its tensors are the
+        parameters themselves). Before the first step the moments are zeros (a template to load into)."""
+        from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
+                                                                make_sharded_optimizer_tensor)
+        sharded = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.model_params)
+        if len(sharded) != len(self.model_params):
+            raise ValueError(f"{len(self.model_params) - len(sharded)} optimized parameters are not in the model's "
+                             "sharded state dict")
+        out: dict = {"main": {}, **{k: {} for k in self._MOMENTS}}
+        steps = set()
+        for i, p in enumerate(self.model_params):
+            main = self._main_of(p)
+            if id(p) in self._main:
+                out["main"][i] = make_sharded_optimizer_tensor(sharded[i], main.detach(), "optimizer.main")
+            state = self.inner.state.get(main, {})
+            steps.add(int(state["step"]) if "step" in state else 0)
+            for k in self._MOMENTS:
+                moment = state[k] if k in state else torch.zeros_like(main)
+                out[k][i] = make_sharded_optimizer_tensor(sharded[i], moment, f"optimizer.state.{k}")
+        if len(steps) != 1:
+            raise ValueError(f"parameters were stepped different numbers of times: {sorted(steps)}")
+        out["step"] = steps.pop()
+        return out
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        mains = [self._main[id(p)] for p in self.model_params if id(p) in self._main]
-        if len(state["main"]) != len(mains):
-            raise ValueError(f"optimizer state has {len(state['main'])} fp32 main weights, this model "
-                             f"{len(mains)} (model.dtype or actor.fp32_master_weights differ)")
-        for main, saved in zip(mains, state["main"]):
-            main.copy_(saved)
-        self.inner.load_state_dict(state["adamw"])
-        for p in self.model_params:
+    def load_sharded_state_dict(self, loaded: dict) -> None:
+        """Install what dist_checkpointing.load returned for `sharded_state_dict`'s structure."""
+        step = int(loaded["step"])
+        for i, p in enumerate(self.model_params):
+            main = self._main_of(p)
             if id(p) in self._main:
-                p.copy_(self._main[id(p)])
+                main.copy_(loaded["main"][i])
+                p.copy_(main)                   # the model weight: the main weight rounded
+            if step > 0:
+                self.inner.state[main] = {"step": torch.tensor(float(step)),
+                                          **{k: loaded[k][i].to(main.dtype).clone() for k in self._MOMENTS}}
+            else:
+                self.inner.state.pop(main, None)
 
     @property
     def lr(self) -> float:

@@ -420,27 +420,26 @@ class TriModelActor:
         return float(get_grad_norm_fp32(grads, grad_stats_parallel_group=ps.get_model_parallel_group()))
 
     # ------------------------------------------------------------------ checkpoint
-    def state_dict(self) -> dict:
-        """This rank's shard: the policy's weights and the optimizer (fp32 main weights, AdamW).
+    def sharded_state_dict(self, with_optimizer: bool = True) -> dict:
+        """Megatron-core distributed-checkpoint state of this rank: the policy's weights and the
+        optimizer (fp32 main weights, AdamW moments), each tensor with its global shape and this
+        rank's slice, so that dist_checkpointing.load reshards it to another TP / PP / DP layout.
         The reference is its checkpoint's; the old model is the policy at a batch start, which is
         where checkpoints are taken - neither is saved."""
-        return {"policy": {k: v.detach().clone() for k, v in self.policy.state_dict().items() if v is not None},
-                "optimizer": self.optimizer.state_dict()}
+        policy = self.policy.sharded_state_dict(prefix="policy.")
+        state = {"policy": policy}
+        if with_optimizer:
+            state["optimizer"] = self.optimizer.sharded_state_dict(policy)
+        return state
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        mine = {k: v for k, v in self.policy.state_dict().items() if v is not None}
-        missing = sorted(set(mine) - set(state["policy"]))
-        if missing:
-            raise ValueError(f"checkpoint lacks policy tensors {missing[:3]} (another model or layout)")
-        for name, saved in state["policy"].items():
-            if name not in mine:
-                raise ValueError(f"checkpoint has policy tensor '{name}', which this model lacks (another model or layout)")
-            if mine[name] is not None and hasattr(saved, "shape") and tuple(saved.shape) != tuple(mine[name].shape):
-                raise ValueError(f"checkpoint tensor '{name}' has shape {tuple(saved.shape)}, this rank's shard "
-                                 f"{tuple(mine[name].shape)} (tensor/pipeline parallel sizes or model differ)")
-        self.policy.load_state_dict(state["policy"], strict=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+    def load_sharded_state_dict(self, loaded: dict, with_optimizer: bool = True) -> None:
+        """Install dist_checkpointing.load's result for `sharded_state_dict(with_optimizer)`'s
+        structure (the result also carries the checkpoint's common, non-tensor entries)."""
+        weights = {k.removeprefix("policy."): v for k, v in loaded["policy"].items() if not k.endswith("_extra_state")}
+        self.policy.load_state_dict(weights, strict=False)   # strict=False: the _extra_state entries
+        if with_optimizer:
+            self.optimizer.load_sharded_state_dict(loaded["optimizer"])
         self.old_is_current = False
         self.refresh_old()
 

@@ -101,9 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch.multiprocessing as mp
 
     from ..backend import backend_without_setup
-    from .worker import _die_with_parent, _worker_main
+    from ..lifetime import die_with_parent
+    from .worker import _worker_main
 
-    _die_with_parent()     # torchrun's agent killed: this relay goes too (and its worker after it)
+    die_with_parent()     # torchrun's agent killed: this relay goes too (and its worker after it)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     conn = connect(args.connect, rollout_key(), args.connect_timeout_s)

@@ -32,6 +32,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.multiprocessing as mp
 
+from ..lifetime import die_with_parent
 from ..scheduling.staleness import STRICT, StalenessRule
 from .base import RolloutRequest, RolloutResult
 
@@ -92,21 +93,11 @@ def _initial_env(names: list[str]) -> dict[str, str | None]:
     return {n: (env[n.encode()].decode() if n.encode() in env else None) for n in names}
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (no orphans even on SIGKILL)."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except OSError:
-        pass
-
-
 def _worker_main(wid: int, settings: WorkerSettings, placement: dict, inbox, outbox, buf: torch.Tensor | None,
                  layout: Layout, version: int, sync: tuple[str, str] | None = None) -> None:
     """`outbox` is this worker's own pipe to the pool: a worker killed mid-write can only break its
     own channel (a queue shared by all workers would stay locked forever)."""
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the trainer handles Ctrl-C and stops us
     try:
         from ..backend import get_backend

@@ -10,14 +10,18 @@ started from the saved policy, so a resumed run repeats the interrupted run's la
 
 Layout (run_dir/checkpoints/):
     step_000010/meta.json          step, version, loader state, layout, config
-    step_000010/rank_00000.pt      rank 0's actor shard + RNG states
+    step_000010/dist/              the actor (policy weights, fp32 main weights, AdamW moments) in
+                                   Megatron-core's distributed checkpoint format (torch_dist)
+    step_000010/rank_00000.pt      rank 0's RNG states
 Writing goes to a temporary directory renamed into place once every rank has written (a
 directory without meta.json, or a temporary one, is never picked up); the last
 `trainer.keep_checkpoints` are kept.
 
-The shards are per rank (torch.save of the local state), so a checkpoint loads on the same
-TP / PP / DP layout only (a different one is refused, naming the sizes); the layout-free form is
-the HF export of its policy (`python -m periodic_async.export`).
+Every tensor in dist/ is stored with its global shape and each rank's slice of it, so a checkpoint
+loads on another TP / PP / DP layout (Megatron reshards it); a model of another shape is refused,
+naming the tensor. The per-rank RNG states are restored on the same layout only (the trainer's
+computation draws no random numbers; the rollout seeds come from the plan). `python -m
+periodic_async.export` writes any checkpoint's policy as an HF directory.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ import torch.distributed as dist
 from ..errors import InputError
 
 _NAME = re.compile(r"^step_(\d{6,})$")
+DIST_DIR = "dist"
 
 
 class RunCheckpointError(InputError):
@@ -81,18 +86,22 @@ def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
-def save_checkpoint(run_dir: str, step: int, rank: int, world: int, actor_state: dict, meta: dict,
+def save_checkpoint(run_dir: str, step: int, rank: int, world: int, sharded_state: dict, meta: dict,
                     keep: int) -> str:
-    """Every rank calls this (collective: barriers). Returns the checkpoint directory."""
+    """Every rank calls this (collective). `sharded_state`: the actor's sharded_state_dict().
+    Returns the checkpoint directory."""
     root = checkpoint_root(run_dir)
     final = os.path.join(root, f"step_{step:06d}")
     tmp = os.path.join(root, f".tmp-step_{step:06d}")
     try:
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
+            for name in os.listdir(root) if os.path.isdir(root) else ():
+                if name.startswith(".tmp-step_"):     # a write cut short earlier (disk full, a kill)
+                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            os.makedirs(os.path.join(tmp, DIST_DIR))
         _barrier()
-        torch.save({**actor_state, "rng": _rng_state()}, os.path.join(tmp, f"rank_{rank:05d}.pt"))
+        _dist_save(sharded_state, os.path.join(tmp, DIST_DIR))
+        torch.save({"rng": _rng_state()}, os.path.join(tmp, f"rank_{rank:05d}.pt"))
         _barrier()
         if rank == 0:
             with open(os.path.join(tmp, "meta.json"), "w") as f:
@@ -108,23 +117,81 @@ def save_checkpoint(run_dir: str, step: int, rank: int, world: int, actor_state:
     return final
 
 
-def load_checkpoint(path: str, rank: int, world: int, layout: dict) -> tuple[dict, dict]:
-    """(meta, this rank's actor state); refuses a checkpoint of another layout, naming it."""
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
-    saved = meta.get("layout", {})
-    diff = {k: (saved.get(k), v) for k, v in layout.items() if saved.get(k) != v}
-    if diff:
-        what = ", ".join(f"{k} {a} (checkpoint) vs {b} (this run)" for k, (a, b) in diff.items())
-        raise RunCheckpointError(f"checkpoint {path} was written with another layout: {what}; it loads only on "
-                              "the same layout (its HF export loads on any: python -m periodic_async.export)")
-    shard = os.path.join(path, f"rank_{rank:05d}.pt")
+def _start_writer_results_queue() -> None:
+    """Megatron's torch_dist writer collects its writer processes' results through a queue of a
+    multiprocessing manager process it starts on first use (a module global), which would outlive
+    a SIGKILLed trainer. Started here instead, with the manager set to die with the trainer
+    (PR_SET_PDEATHSIG), as the rollout workers are."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from ..lifetime import die_with_parent
+    if getattr(filesystem_async, "_results_queue", "absent") is None:
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(initializer=die_with_parent)
+        filesystem_async._results_queue = manager.Queue()
+        _MANAGERS.append(manager)       # keeps it (and its queue's connection) alive
+
+
+_MANAGERS: list = []
+
+
+def _dist_save(sharded_state: dict, path: str) -> None:
+    """dist_checkpointing.save; a failed write (disk full, unwritable) becomes an OSError whose
+    message is each failed rank's error, not torch's multi-rank traceback dump."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
+    _start_writer_results_queue()
     try:
-        state = torch.load(shard, map_location="cpu", weights_only=False)
-    except (OSError, RuntimeError, EOFError) as e:
-        raise RunCheckpointError(f"cannot read {shard}: {e}") from e
-    _set_rng_state(state.pop("rng"))
-    return meta, state
+        dist_checkpointing.save(sharded_state, path)
+    except (CheckpointException, CheckpointingException) as e:
+        raise OSError(_dist_error(e)) from e
+
+
+def read_meta(path: str) -> dict:
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise RunCheckpointError(f"cannot read {os.path.join(path, 'meta.json')}: {e}") from e
+
+
+def load_checkpoint(path: str, rank: int, layout: dict, sharded_state: dict) -> tuple[dict, dict]:
+    """(meta, the loaded state for `sharded_state`'s structure: actor.load_sharded_state_dict's
+    input). Any TP / PP / DP layout loads; this rank's RNG states are restored when the layout is
+    the checkpoint's. A tensor of another shape (another model) is refused, naming it."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
+    meta = read_meta(path)
+    dist_dir = os.path.join(path, DIST_DIR)
+    if not os.path.isdir(dist_dir):
+        raise RunCheckpointError(f"checkpoint {path} has no {DIST_DIR}/ directory (written by an older version?)")
+    try:
+        loaded = dist_checkpointing.load(sharded_state, dist_dir)
+    except (CheckpointException, CheckpointingException, KeyError, ValueError, RuntimeError) as e:
+        raise RunCheckpointError(f"checkpoint {path} does not fit this model: {_dist_error(e)}") from e
+    if meta.get("layout") == layout:
+        shard = os.path.join(path, f"rank_{rank:05d}.pt")
+        try:
+            _set_rng_state(torch.load(shard, map_location="cpu", weights_only=False)["rng"])
+        except (OSError, RuntimeError, EOFError, KeyError) as e:
+            raise RunCheckpointError(f"cannot read {shard}: {e}") from e
+    return meta, loaded
+
+
+def _dist_error(e: Exception) -> str:
+    """One line for a distributed-checkpoint error: torch's CheckpointException carries each
+    failed rank's exception (its str is a traceback per rank)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        errors = {r: (f[0] if isinstance(f, tuple) else f) for r, f in failures.items()}
+        return "; ".join(f"rank {r}: {_dist_error(err)}" for r, err in sorted(errors.items()))
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0][:500]
 
 
 def _barrier() -> None:

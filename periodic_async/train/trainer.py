@@ -146,8 +146,8 @@ class Trainer:
         path = resolve_resume(self.cfg.trainer.resume, self.cfg.trainer.run_dir)
         if path is None:
             return None
-        meta, state = load_checkpoint(path, self.rank, self.world, self._layout())
-        self.actor.load_state_dict(state)
+        meta, loaded = load_checkpoint(path, self.rank, self._layout(), self.actor.sharded_state_dict())
+        self.actor.load_sharded_state_dict(loaded)
         self.version, self.start_step = int(meta["version"]), int(meta["step"])
         self.nonfinite_in_a_row = int(meta.get("nonfinite_in_a_row", 0))
         if self.rank == 0:
@@ -160,8 +160,8 @@ class Trainer:
         meta = {"version": self.version, "layout": self._layout(), "nonfinite_in_a_row": self.nonfinite_in_a_row,
                 "loader": self.planner.loader.state_dict() if self.planner is not None else None,
                 "config": config_to_dict(self.cfg)}
-        return save_checkpoint(self.cfg.trainer.run_dir, step, self.rank, self.world, self.actor.state_dict(),
-                               meta, self.cfg.trainer.keep_checkpoints)
+        return save_checkpoint(self.cfg.trainer.run_dir, step, self.rank, self.world,
+                               self.actor.sharded_state_dict(), meta, self.cfg.trainer.keep_checkpoints)
 
     def _check_memory(self, arch):
         """Refuse, before anything is started or built, a config that cannot fit a device
