@@ -110,6 +110,8 @@ class Trainer:
             if meta is not None:
                 self.planner.loader.load_state_dict(meta["loader"])
             self.producer = self._build_producer(worker_placements, initial)
+            if cfg.trainer.record_timeline:
+                self.timeline.watch_scorer(self.producer.scorer)
         elif initial is not None:
             drain(initial)
         if cfg.trainer.mode == "sync" and self.version > 0:
@@ -254,6 +256,7 @@ class Trainer:
             sizes, groups = plan.group_sizes, self.producer.groups()
         feed = GroupFeed(sizes, groups, self.feed_group)
         batch = train_batch(self.actor, feed, cfg.actor, self.dp_rank, self.dp_size, self._check_group)
+        t_batch_end = time.perf_counter()
         metrics = dict(batch.metrics)
         metrics["timing_s/update_actor"] = batch.train_s
 
@@ -276,7 +279,12 @@ class Trainer:
             metrics.update(step_metrics.overlap_metrics((stats.t_dispatch, stats.t_last_group),
                                                         batch.train_intervals))
             if cfg.trainer.record_timeline:
-                self.timeline.record_step(step, stats.results, batch.train_intervals, (t_sync, t_sync_end))
+                self.timeline.record_step(
+                    step, stats.results, batch.train_intervals, (t_sync, t_sync_end), (t_step, t_sync_end),
+                    batch.groups, cfg.actor.micro_batch_size, self.dp_size, t_batch_end,
+                    {"mode": cfg.trainer.mode, "devices": self._num_devices(), "engines": self._num_engines(),
+                     "world": self.world, "dp_size": self.dp_size, "micro_batch_size": cfg.actor.micro_batch_size,
+                     "dispatch": stats.t_dispatch, "gen_end": stats.t_last_group})
         metrics.update(step_metrics.throughput_metrics(batch.groups, step_s, self._num_devices(), self.version))
         metrics["training/policy_version"] = self.version
         return metrics
