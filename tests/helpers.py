@@ -138,6 +138,7 @@ def tp_parity_quantities(model_dir: str, ref_dir: str | None = None) -> dict:
       logits:         policy logits [B, S, V] on fixed_input_ids, gathered over TP
       logits_mc:      the same via megatron's gather_from_tensor_model_parallel_region
       logp, entropy:  vocab-parallel logprobs_entropy (temperature TEMPERATURE) on those logits
+      entropy_metric: the same entropy with entropy_grad=False (entropy_metric_grad: requires_grad)
       metrics:        TriModelActor.train_micro_step on fixed_micro_batch + actor/grad_norm (global_grad_norm)
       grads:          FULL policy gradients in HF layout
       replicated_grad_max_diff: max |grad_rank0 - grad_rank_r| over non-sharded parameters
@@ -168,6 +169,9 @@ def tp_parity_quantities(model_dir: str, ref_dir: str | None = None) -> dict:
         out["logits_mc"] = gather_from_tensor_model_parallel_region(local).clone()
         logp, ent = logprobs_entropy(local, labels, TEMPERATURE, True)
         out["logp"], out["entropy"] = logp.clone(), ent.clone()
+    # the entropy as a metric (entropy_grad=False: computed without autograd, its own TP reduction)
+    ent_metric = logprobs_entropy(local.detach().requires_grad_(), labels, TEMPERATURE, True, entropy_grad=False)[1]
+    out["entropy_metric"], out["entropy_metric_grad"] = ent_metric.detach().clone(), ent_metric.requires_grad
 
     metrics = actor.train_micro_step(fixed_micro_batch(), NORMALISER)
     params = dict(actor.policy.named_parameters())

@@ -1,6 +1,8 @@
 """HF <-> Megatron-core conversion and the Megatron GPT model at TP=1 (in-process, cpu backend):
-exact weight round trips, logits equal to transformers', the vocab-parallel log-prob math, the
-fused-QKV layout helpers, and clear rejection of unsupported configs."""
+exact weight round trips, logits equal to transformers', the training fast paths (SDPA core
+attention, RoPE / SwiGLU / RMSNorm autograd functions) equal to Megatron's local spec, the
+vocab-parallel log-prob math, the fused-QKV layout helpers, and clear rejection of unsupported
+configs."""
 from __future__ import annotations
 
 import json
@@ -33,9 +35,9 @@ def _source_tensors(path: str) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-def _mcore_model(path: str):
+def _mcore_model(path: str, core_attention: str = "sdpa"):
     arch = arch_from_hf_dir(path)
-    model = build_gpt_model(arch)
+    model = build_gpt_model(arch, core_attention=core_attention)
     load_hf_checkpoint(model, arch, path)
     return arch, model
 
@@ -77,10 +79,11 @@ def test_hf_mcore_hf_round_trip_is_exact(name, model_dirs, megatron_tp1, tmp_pat
     assert load_tokenizer(out).encode("12+3=") == load_tokenizer(path).encode("12+3=")
 
 
+@pytest.mark.parametrize("core_attention", ["sdpa", "local"])
 @pytest.mark.parametrize("name", list(ARCHS))
-def test_mcore_logits_equal_hf_logits(name, model_dirs, megatron_tp1):
+def test_mcore_logits_equal_hf_logits(name, core_attention, model_dirs, megatron_tp1):
     path = model_dirs[name]
-    arch, model = _mcore_model(path)
+    arch, model = _mcore_model(path, core_attention)
     ids = fixed_input_ids(arch.vocab_size)
     with torch.no_grad():
         hf = load_hf_model(path)(ids).logits
@@ -113,6 +116,136 @@ def test_unused_checkpoint_tensor_is_an_error(megatron_tp1, tmp_path):
         _mcore_model(path)
 
 
+# ---------------------------------------------------------------------- training fast paths
+
+
+def _padded_micro_batch():
+    """Right-padded sequences of different lengths, as pack_unshared builds them (causal mask)."""
+    from periodic_async.actor.packing import TrainSample, pack_unshared
+    g = torch.Generator().manual_seed(7)
+    lengths = [(5, 9), (3, 4), (8, 12), (2, 1)]
+    return pack_unshared([TrainSample(torch.randint(2, 24, (p,), generator=g).tolist(),
+                                      torch.randint(2, 24, (r,), generator=g).tolist(), a)
+                          for (p, r), a in zip(lengths, (1.2, -0.5, 0.3, -1.0))], 0)
+
+
+def _padding_mask(mb):
+    """Causal + 'real tokens never see padding' ([B, 1, S, S], True = masked): not the causal
+    mask, so SDPA gets an explicit attn_mask; a pad query still sees itself (no empty row)."""
+    real = mb.input_ids != 0
+    s = real.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool).triu(1)
+    return (causal[None] | (real[:, :, None] & ~real[:, None, :]))[:, None]
+
+
+def _logp_and_grads(model, mb, mask):
+    from periodic_async.actor.logprobs import logprobs_entropy
+    model.zero_grad(set_to_none=True)
+    logits = model(mb.input_ids, mb.position_ids, mask)
+    logp, _ = logprobs_entropy(logits, mb.labels, 0.8, with_entropy=False)
+    (logp * mb.loss_mask * mb.advantages).sum().backward()
+    return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "none", "padding"])
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_fast_spec_equals_local_spec(name, mask_kind, model_dirs, megatron_tp1, monkeypatch):
+    """build_gpt_model's default spec (SDPA core attention: the causal mask as is_causal, GQA
+    without repeated K/V; RotaryFunction; SwiGLUFunction; RMSNorm) gives Megatron's local spec's
+    per-token log-probs (1e-5) and gradients in fp32, for pack_unshared's causal mask, no mask
+    (causal layers) and an explicit padding mask; so do the shared-prompt model on plain masks
+    and SDPA in Megatron's own layers (fast_layers=False)."""
+    import megatron.core.transformer.attention as mc_attention
+    from kernels.shared_prompt.megatron import SDPACoreAttention
+    from periodic_async.models import mcore
+    path = model_dirs[name]
+    mb = _padded_micro_batch()
+    masks = {"causal": mb.attention_mask, "none": None, "padding": _padding_mask(mb)}
+    _, local = _mcore_model(path, "local")
+    mask = masks[mask_kind]
+    want = _logp_and_grads(local, mb, mb.attention_mask if mask is None else mask)   # local needs a tensor
+    megatron_rope = mc_attention.apply_rotary_pos_emb
+    for core, fast_layers in (("sdpa", True), ("shared_prompt", True), ("sdpa", False)):
+        arch = arch_from_hf_dir(path)
+        fast = build_gpt_model(arch, core_attention=core, fast_layers=fast_layers)
+        load_hf_checkpoint(fast, arch, path)
+        layer = fast.decoder.layers[0]
+        assert isinstance(layer.self_attention.core_attention, SDPACoreAttention)
+        assert (type(layer.mlp).__name__ == "SwiGLUMLP") == fast_layers
+        assert isinstance(layer.input_layernorm, mcore.RMSNorm) == fast_layers
+        assert isinstance(fast.decoder.final_layernorm, mcore.RMSNorm) == fast_layers
+
+        def no_megatron_rope(*a, **k):
+            raise AssertionError("the fast path ran Megatron's RoPE")
+        monkeypatch.setattr(mc_attention, "apply_rotary_pos_emb", no_megatron_rope if fast_layers else megatron_rope)
+        logp, grads = _logp_and_grads(fast, mb, mask)
+        torch.testing.assert_close(logp, want[0], rtol=0, atol=1e-5)
+        for n, w in want[1].items():
+            scale = float(w.abs().max())
+            assert scale > 0, n
+            torch.testing.assert_close(grads[n], w, rtol=1e-4, atol=2e-5 * scale,   # fp32 sums (as tests/test_tensor_parallel.py)
+                                        msg=lambda e: f"{core} {fast_layers} {n}: {e}")
+
+
+def test_rotary_function_equals_megatron_rope():
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    from periodic_async.models.mcore import RotaryFunction, rope_tables
+    g = torch.Generator().manual_seed(0)
+    for batch in (1, 3):      # one table for all rows, and per-token tables (shared prompt)
+        f = torch.rand(6, batch, 1, 4, generator=g, dtype=torch.float64) * 5
+        freqs = torch.cat([f, f], dim=-1)                              # Megatron's [S, B|1, 1, d] layout
+        t = torch.randn(6, 3, 2, 8, generator=g, dtype=torch.float64, requires_grad=True)
+        cos, sin = rope_tables(freqs, torch.float64)
+        assert rope_tables(freqs, torch.float64)[0] is cos            # once per freqs tensor
+        torch.testing.assert_close(RotaryFunction.apply(t, cos, sin), _apply_rotary_pos_emb_bshd(t, freqs))
+        assert torch.autograd.gradcheck(lambda x: RotaryFunction.apply(x, cos, sin), (t,))
+    other = torch.cat([f, f], dim=-1) * 2                               # a new tensor: new tables
+    torch.testing.assert_close(rope_tables(other, torch.float64)[0], torch.cos(other))
+
+
+def test_swiglu_function_equals_autograd():
+    import torch.nn.functional as F
+    from periodic_async.models.mcore import SwiGLUFunction
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(5, 3, 16, generator=g, requires_grad=True)
+    up = torch.randn(5, 3, 8, generator=g)
+    out = SwiGLUFunction.apply(y)
+    a, b = y.chunk(2, -1)
+    ref = F.silu(a) * (b + 0.0)                                          # Megatron's glu
+    assert torch.equal(out, ref)
+    assert torch.equal(torch.autograd.grad((out * up).sum(), y)[0], torch.autograd.grad((ref * up).sum(), y)[0])
+    y64 = torch.randn(4, 10, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(SwiGLUFunction.apply, (y64,))
+
+
+def test_rms_norm_function_equals_torch():
+    from periodic_async.models.mcore import RMSNormFunction
+    g = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(5, 3, 16, generator=g)).requires_grad_()
+    w = torch.randn(16, generator=g).requires_grad_()
+    up = torch.randn(5, 3, 16, generator=g)
+    out = RMSNormFunction.apply(x, w, 1e-6)
+    ref = torch.nn.functional.rms_norm(x, (16,), w, 1e-6)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    for got, want in zip(torch.autograd.grad((out * up).sum(), (x, w)), torch.autograd.grad((ref * up).sum(), (x, w))):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    x64 = torch.randn(4, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    w64 = torch.randn(6, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: RMSNormFunction.apply(a, b, 1e-6), (x64, w64))
+
+
+def test_is_causal_mask():
+    from kernels.shared_prompt.megatron import is_causal_mask
+    from periodic_async.actor.packing import causal_mask
+    m = causal_mask(7)
+    assert is_causal_mask(m) and is_causal_mask(m)                       # checked, then remembered
+    assert is_causal_mask(m.expand(3, 1, 7, 7).clone())
+    m[0, 0, 5, 2] = True                                                 # changed in place: checked again
+    assert not is_causal_mask(m)
+    assert not is_causal_mask(causal_mask(7).float())
+    assert not is_causal_mask(torch.zeros(1, 1, 7, 7, dtype=torch.bool))
+
+
 # ---------------------------------------------------------------------- log-prob math
 
 
@@ -129,6 +262,25 @@ def test_logprobs_entropy_tp1_equals_log_softmax(megatron_tp1):
         torch.testing.assert_close(logp, ref_logp.float(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ent, ref_ent.float(), rtol=1e-5, atol=1e-5)
     assert logprobs_entropy(logits, labels, 1.0, with_entropy=False)[1] is None
+
+
+def test_entropy_as_a_metric_has_no_graph(megatron_tp1):
+    """entropy_grad=False (entropy_coef 0): the same entropy, without autograd; log-prob gradients
+    unchanged. GRPOLoss asks for the gradient only with an entropy term."""
+    from periodic_async.actor.logprobs import logprobs_entropy
+    from periodic_async.algo import build_policy_loss
+    from periodic_async.config import ActorConfig
+    g = torch.Generator().manual_seed(0)
+    logits = (4.0 * torch.randn(2, 7, 24, generator=g)).requires_grad_()
+    labels = torch.randint(0, 24, (2, 7), generator=g)
+    logp, ent = logprobs_entropy(logits, labels, 0.7, with_entropy=True)
+    logp2, ent2 = logprobs_entropy(logits, labels, 0.7, with_entropy=True, entropy_grad=False)
+    assert ent.requires_grad and not ent2.requires_grad
+    torch.testing.assert_close(ent2, ent.detach(), rtol=0, atol=1e-6)
+    gs = [torch.autograd.grad(lp.sum(), logits)[0] for lp in (logp, logp2)]
+    assert torch.equal(gs[0], gs[1])
+    assert build_policy_loss("grpo", ActorConfig(entropy_coef=0.0)).entropy_grad is False
+    assert build_policy_loss("grpo", ActorConfig(entropy_coef=0.01)).entropy_grad is True
 
 
 # ---------------------------------------------------------------------- fused QKV layout

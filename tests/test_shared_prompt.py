@@ -73,7 +73,9 @@ def _actor(dirs, shared: bool, impl: str = "sdpa", **cfg):
     policy_dir, ref_dir = dirs
     spec = arch_from_hf_dir(policy_dir)
     acfg = ActorConfig(kl_coef=0.1, entropy_coef=0.01, shared_prompt=shared, **cfg)
-    actor = TriModelActor(acfg, spec, policy_dir, temperature=0.8, with_reference=True, attention_impl=impl if shared else None)
+    # the unshared reference is Megatron's local spec (DotProductAttention), as the docstring says
+    actor = TriModelActor(acfg, spec, policy_dir, temperature=0.8, with_reference=True,
+                          attention_impl=impl if shared else None, core_attention=None if shared else "local")
     load_hf_checkpoint(actor.reference, spec, ref_dir)       # KL (and its gradient) non-zero
     return actor
 

@@ -187,8 +187,11 @@ def test_tp2_equals_tp1_and_transformers(case, dirs, tp1, tp2):
     _assert_logits_close(two["logits"], one["logits"], "TP=2 vs TP=1")
 
     # vocab-parallel log-probs / entropy on those logits
-    for key in ("logp", "entropy"):
+    for key in ("logp", "entropy", "entropy_metric"):
         torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=2e-5, msg=lambda m: f"{key}: {m}")
+    for res in (one, two):     # the metric-only entropy: the same values, no autograd graph
+        torch.testing.assert_close(res["entropy_metric"], res["entropy"], rtol=1e-5, atol=2e-5)
+        assert res["entropy_metric_grad"] is False
 
     # loss terms and the global grad norm
     _assert_metrics_close(two["metrics"], one["metrics"], "TP=2 vs TP=1")

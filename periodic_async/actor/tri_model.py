@@ -100,21 +100,30 @@ class TriModelActor:
     def __init__(self, cfg: ActorConfig, arch: ModelArch, model_dir: str, dtype: str = "float32",
                  device: torch.device | str = "cpu", temperature: float = 1.0, with_reference: bool = True,
                  with_old: bool | None = None, attention_impl: str | None = None, pad_token_id: int = 0,
-                 policy_loss: PolicyLoss | None = None):
+                 policy_loss: PolicyLoss | None = None, core_attention: str | None = None):
         """attention_impl: shared-prompt kernel name; default: the active backend's attention_impl.
         with_old: build the old-policy model (default: when ppo_epochs > 1 or the shortcut is off).
         pad_token_id: the id `pack` pads with. policy_loss: the objective (default: the one
-        registered as `cfg.policy_loss`, algo/losses.py); the actor only calls it."""
+        registered as `cfg.policy_loss`, algo/losses.py); the actor only calls it.
+        core_attention: build_gpt_model's layer spec for the unshared layout - "sdpa" (the training
+        fast paths; the default on cpu and cuda) or "local" (Megatron's local spec as is: the
+        reference in tests, and the default on npu, where MindSpeed patches those modules with its
+        Ascend kernels); actor.shared_prompt always builds "shared_prompt" (on npu with Megatron's
+        own RoPE / GLU / norm modules)."""
         from megatron.core import parallel_state as ps
         self.cfg, self.arch, self.device, self.temperature = cfg, arch, torch.device(device), temperature
         self.pad_token_id = pad_token_id
         self.objective = policy_loss if policy_loss is not None else build_policy_loss(cfg.policy_loss, cfg)
         self.shared_prompt = bool(cfg.shared_prompt)
-        model_kwargs = {}
+        mindspeed = active_backend().name == "npu"
+        model_kwargs = {"core_attention": core_attention or ("local" if mindspeed else "sdpa")}
         if self.shared_prompt:
+            if core_attention not in (None, "shared_prompt"):
+                raise ValueError(f"actor.shared_prompt needs core_attention 'shared_prompt', got '{core_attention}'")
             if attention_impl is None:
                 attention_impl = active_backend().attention_impl
-            model_kwargs = {"core_attention": "shared_prompt", "attention_impl": attention_impl}
+            model_kwargs = {"core_attention": "shared_prompt", "attention_impl": attention_impl,
+                            "fast_layers": not mindspeed}
         if with_old is None:
             with_old = cfg.ppo_epochs > 1 or not cfg.old_logp_shortcut
         frozen_dtype = dtype if cfg.frozen_dtype == "same" else cfg.frozen_dtype
@@ -199,12 +208,12 @@ class TriModelActor:
         return pack_micro_batch(samples, self.pad_token_id, self.shared_prompt)
 
     # ------------------------------------------------------------------ forward / loss
-    def _logprobs(self, logits: torch.Tensor, mb: MicroBatch, with_entropy: bool):
+    def _logprobs(self, logits: torch.Tensor, mb: MicroBatch, with_entropy: bool, entropy_grad: bool = False):
         if mb.logit_index is not None:
             # shared prompt: the rows predicting each response token, [N, L, V/TP]; the last prompt
             # row is gathered once per response (its gradient sums the K contributions)
             logits = logits.reshape(-1, logits.shape[-1])[mb.logit_index]
-        return logprobs_entropy(logits, mb.labels, self.temperature, with_entropy)
+        return logprobs_entropy(logits, mb.labels, self.temperature, with_entropy, entropy_grad)
 
     def _check(self, mb: MicroBatch) -> MicroBatch:
         if mb.logit_index is not None and not self.shared_prompt:
@@ -215,7 +224,9 @@ class TriModelActor:
         """Last stage: the objective of one micro-batch from the policy's logits and the frozen
         models' log-probs (run here, or given in `pre`: the separate-passes design)."""
         outs = dict(zip(self.chunk.active, outputs))   # policy: logits; frozen: log-probs (the chunk)
-        logp, entropy = self._logprobs(outs["policy"], mb, with_entropy=True)              # [B, S]
+        # the entropy is a metric unless the objective differentiates it (an entropy bonus)
+        logp, entropy = self._logprobs(outs["policy"], mb, with_entropy=True,
+                                       entropy_grad=getattr(self.objective, "entropy_grad", True))   # [B, S]
         for name in ("old", "ref"):
             if name in outs:
                 pre[name] = outs[name]

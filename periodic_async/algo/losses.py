@@ -34,7 +34,7 @@ def build_policy_loss(name: str, cfg) -> "PolicyLoss":
 class LossInputs:
     """One micro-batch on the last pipeline stage; every tensor shaped like its labels."""
     logp: torch.Tensor                    # policy log-probs (with gradient)
-    entropy: torch.Tensor                 # policy entropy per position (with gradient)
+    entropy: torch.Tensor                 # policy entropy per position (with gradient when the loss has entropy_grad)
     old_logp: torch.Tensor                # old / proximal policy (the policy at the step's start), detached
     ref_logp: Optional[torch.Tensor]      # reference model, or None when none is built
     rollout_logp: Optional[torch.Tensor]  # behaviour policy: the rollout engine's log-probs (0 where none)
@@ -44,8 +44,11 @@ class LossInputs:
 
 
 class PolicyLoss:
-    """Base of the registered losses: `__call__(inputs) -> (loss, {metric: detached scalar})`."""
+    """Base of the registered losses: `__call__(inputs) -> (loss, {metric: detached scalar})`.
+    `entropy_grad`: whether the loss differentiates `LossInputs.entropy` (else the actor computes
+    it without autograd, as a metric only)."""
     metric_keys: tuple[str, ...] = ()
+    entropy_grad: bool = True
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -58,6 +61,10 @@ class PolicyLoss:
 class GRPOLoss(PolicyLoss):
     """PPO-clip on the old policy's ratio, + kl_coef * KL(policy || reference), - entropy_coef * entropy."""
     metric_keys = ("actor/pg_loss", "actor/pg_clipfrac", "actor/kl_loss", "actor/entropy", "actor/loss")
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.entropy_grad = bool(cfg.entropy_coef)      # entropy_coef 0: the entropy is a metric
 
     def __call__(self, x: LossInputs):
         cfg = self.cfg
