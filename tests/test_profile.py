@@ -1,4 +1,4 @@
-"""tools/profile.py: on a short default run (periodic, record_timeline) and on hand-made timelines."""
+"""tools/profile_run.py: on a short default run (periodic, record_timeline) and on hand-made timelines."""
 from __future__ import annotations
 
 import importlib.util
@@ -15,8 +15,8 @@ STEPS = 3
 
 
 def _load_profile():
-    # by path, under another name: `profile` is also a stdlib module
-    spec = importlib.util.spec_from_file_location("pa_tools_profile", os.path.join(ROOT, "tools", "profile.py"))
+    # tools/ is not a package: loaded by path
+    spec = importlib.util.spec_from_file_location("pa_tools_profile", os.path.join(ROOT, "tools", "profile_run.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

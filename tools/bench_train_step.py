@@ -36,9 +36,6 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# tools/ is sys.path[0] for a script run from it, and tools/profile.py would shadow the standard
-# library's `profile` (torch / transformers import it): not on the path here
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.join(HERE, "tools")]
 
 SETUPS = {   # name: (hidden, layers, heads, kv_heads, ffn, prompt len, completion len)
     "small": (256, 4, 4, 2, 1024, 64, 64),

@@ -1,6 +1,6 @@
 """A replay of the scheduling of one training step - sync, sync_split, periodic - with stage costs
 instead of models: what tools/simulate.py calibrates on measured runs and predicts with, and what
-tools/profile.py takes its FLOP formulas from. Torch-free (numpy only for the fits).
+tools/profile_run.py takes its FLOP formulas from. Torch-free (numpy only for the fits).
 
 The replay makes the decisions the real code makes (scheduling/plan.py, scheduling/producer.py,
 rollout/worker.py, rollout/hf_engine.py, train/feed.py, train/step.py):
@@ -24,7 +24,7 @@ rollout/worker.py, rollout/hf_engine.py, train/feed.py, train/step.py):
   then the optimizer step (optimizer_s, after every rank's last micro-step), post_train_s, and the
   weight sync (sync_s + sync_byte_s * bytes), which ends the step;
 - sync (colocated): the engines generate the whole batch, it is scored in one call, then trained.
-Model FLOPs (profile.py, the hardware projection): a forward over S tokens is
+Model FLOPs (profile_run.py, the hardware projection): a forward over S tokens is
 2 N S + 2 L d S (S + 1) (N: matmul parameters incl. the LM head, L layers, d = heads x head_dim;
 causal attention, QK^T and AV); generating a response of R tokens after a prompt of P runs the
 model over P + R - 1 tokens; training a sample runs 3 forwards' worth (forward + backward) of the

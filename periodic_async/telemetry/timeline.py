@@ -1,6 +1,6 @@
 """Timeline of a run: generation (one lane per worker slot), reward scoring, training micro-steps,
 the optimizer step and weight-sync intervals, in perf_counter seconds; written as timeline.jsonl
-(trainer.record_timeline) for tools/ (bench_modes.py, profile.py, simulate.py).
+(trainer.record_timeline) for tools/ (bench_modes.py, profile_run.py, simulate.py).
 
 One JSON object per line, every one with `step`, `kind`, `lane`, `start`, `end`:
 - generate (lane workerW/slotS): one per sample, from its admission to a slot to the end of the

@@ -1,6 +1,6 @@
 """Profile a finished run from its metrics.jsonl, timeline.jsonl and config.yaml.
 
-    python tools/profile.py RUN_DIR [--peak-flops F | --device NAME] [--warmup 1]
+    python tools/profile_run.py RUN_DIR [--peak-flops F | --device NAME] [--warmup 1]
                             [--png out.png] [--trace out.json] [--json out.json]
 
 Any mode, any config, any backend: the run needs trainer.record_timeline=true, nothing else. Prints
@@ -175,7 +175,7 @@ def profile(run_dir: str, warmup: int = 1, peak_flops: float | None = None) -> d
     per_step = steps_of(events)
     usable = sorted(s for s, evs in per_step.items() if any(e["kind"] == "step" for e in evs))
     if not usable:
-        raise SystemExit(f"{run_dir}/timeline.jsonl has no step events: it was recorded before profile.py's "
+        raise SystemExit(f"{run_dir}/timeline.jsonl has no step events: it was recorded before profile_run.py's "
                          "timeline fields existed; re-run with trainer.record_timeline=true")
     chosen = [s for s in usable if s > usable[0] - 1 + warmup] or usable[-1:]
     steps = [analyse_step(per_step[s], mode, cfg, shape) for s in chosen]
