@@ -252,7 +252,7 @@ def _trainer_items(arch: "ModelArch", cfg: Config, stage: int, dp: int) -> list[
     a, tp, pp = cfg.actor, cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
     e = DTYPE_BYTES[cfg.model.dtype]
     with_old = a.ppo_epochs > 1 or not a.old_logp_shortcut
-    ms = model_state_bytes(arch, cfg, stage, with_old=with_old, with_reference=True)
+    ms = model_state_bytes(arch, cfg, stage, with_old=with_old, with_reference=a.uses_reference)
     fdt = cfg.model.dtype if a.frozen_dtype == "same" else a.frozen_dtype
     off = ", offloaded to host" if a.offload_frozen else ""
     frozen_hint = "set actor.frozen_dtype: bfloat16 or actor.offload_frozen: true"
@@ -264,7 +264,8 @@ def _trainer_items(arch: "ModelArch", cfg: Config, stage: int, dp: int) -> list[
         Item("optimizer", "optimizer state (AdamW, 2 moments)", ms["optimizer"], hint=_TP_PP_HINT),
         Item("old", f"old policy ({fdt}{off})" if with_old else "old policy (not built: ppo_epochs 1)", ms["old"],
              hint=frozen_hint),
-        Item("ref", f"reference model ({fdt}{off})", ms["ref"], hint=frozen_hint),
+        Item("ref", f"reference model ({fdt}{off})" if a.uses_reference else "reference model (not built: kl_coef 0)",
+             ms["ref"], hint=frozen_hint),
     ]
     # -- one micro-step (policy only: the frozen models run under no_grad and keep nothing)
     h, ffn = arch.hidden_size, arch.ffn_hidden_size

@@ -43,7 +43,7 @@ def main() -> None:
     for layout, (tp, pp) in LAYOUTS.items():
         backend.init_model_parallel(tp, pp, 0)
         for name, model_dir in args.case:
-            eng = TriModelActor(ActorConfig(ppo_epochs=2), arch_from_hf_dir(model_dir), model_dir, "bfloat16")
+            eng = TriModelActor(ActorConfig(ppo_epochs=2, kl_coef=0.1), arch_from_hf_dir(model_dir), model_dir, "bfloat16")
             mine = {"stage": ps.get_pipeline_model_parallel_rank(), "bytes": eng.memory_bytes()}
             ranks = [None] * world
             dist.all_gather_object(ranks, mine)

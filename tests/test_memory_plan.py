@@ -28,7 +28,9 @@ GiB = 1 << 30
 
 
 def _cfg(dtype: str = "float32", tp: int = 1, pp: int = 1, **actor):
+    """kl_coef 0.1 unless given: a reference model is built (kl_coef 0 builds none)."""
     from periodic_async.config import ActorConfig, Config, ModelConfig, ParallelConfig
+    actor = {"kl_coef": 0.1, **actor}
     return Config(model=ModelConfig(dtype=dtype), parallel=ParallelConfig(tp, pp), actor=ActorConfig(**actor))
 
 
@@ -54,14 +56,16 @@ def tiny_dirs(tmp_path_factory):
     ("bfloat16", {"ppo_epochs": 2}),
     ("bfloat16", {"fp32_master_weights": False}),
     ("float32", {"ppo_epochs": 2, "offload_frozen": True}),
-], ids=["fp32", "fp32-old-bf16-frozen", "bf16-master", "bf16-master-old", "bf16-no-master", "fp32-offload"])
+    ("float32", {"kl_coef": 0.0}),                   # no reference model
+], ids=["fp32", "fp32-old-bf16-frozen", "bf16-master", "bf16-master-old", "bf16-no-master", "fp32-offload",
+        "fp32-no-kl"])
 @pytest.mark.parametrize("case", ["qwen2-tied", "llama-untied"])
 def test_model_state_equals_the_actors_memory_bytes(case, dtype, actor, tiny_dirs, megatron_tp1):
     from periodic_async.actor.tri_model import TriModelActor
     from periodic_async.models.mcore import arch_from_hf_dir
     cfg = _cfg(dtype, **actor)
     arch = arch_from_hf_dir(tiny_dirs[case])
-    eng = TriModelActor(cfg.actor, arch, tiny_dirs[case], dtype)
+    eng = TriModelActor(cfg.actor, arch, tiny_dirs[case], dtype, with_reference=cfg.actor.uses_reference)
     assert _planned_state(cfg, arch) == eng.memory_bytes()
 
 

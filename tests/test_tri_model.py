@@ -251,6 +251,40 @@ def test_old_policy_shortcut_equals_old_forward(model_dirs, megatron_tp1):
         torch.testing.assert_close(g_short[n], g_old[n], rtol=1e-6, atol=1e-8)
 
 
+def test_without_kl_no_reference_is_built_and_training_is_the_same(model_dirs, megatron_tp1, tmp_path):
+    """kl_coef 0: the trainer builds no reference model (its forward fed only a metric), and a
+    micro-step without one gives the same loss and gradients as with one."""
+    from periodic_async.actor.packing import pack_micro_batch
+    from periodic_async.actor.tri_model import TriModelActor
+    from periodic_async.config import load_config
+    from periodic_async.memory_plan import _trainer_items
+    from periodic_async.models.mcore import arch_from_hf_dir
+    mb = pack_micro_batch(helpers.tri_groups()[1], 0)
+    arch = arch_from_hf_dir(model_dirs[0])
+    runs = {}
+    for with_ref in (True, False):
+        eng = TriModelActor(helpers.tri_model_config(kl_coef=0.0), arch, model_dirs[0],
+                            temperature=helpers.TEMPERATURE, with_reference=with_ref)
+        runs[with_ref] = (eng.train_micro_step(mb, 9.0), _grads(eng))
+    (m_ref, g_ref), (m_none, g_none) = runs[True], runs[False]
+    assert "actor/kl_loss" in m_ref and "actor/kl_loss" not in m_none
+    for k in ("actor/pg_loss", "actor/entropy", "actor/loss"):
+        assert m_none[k] == pytest.approx(m_ref[k], rel=1e-6, abs=1e-8), k
+    for n in g_ref:
+        torch.testing.assert_close(g_none[n], g_ref[n], rtol=1e-6, atol=1e-8)
+
+    for kl, built in (("0.001", True), ("0", False)):
+        cfg = load_config("configs/default.yaml", [f"actor.kl_coef={kl}", f"trainer.run_dir={tmp_path / kl}"])
+        from periodic_async.train.trainer import Trainer
+        trainer = Trainer(cfg)
+        try:
+            assert (trainer.actor.reference is not None) is built, kl
+            ref_bytes = {i.key: i.nbytes for i in _trainer_items(trainer.arch, cfg, 0, 1)}["ref"]
+            assert (ref_bytes > 0) is built, kl                      # the memory plan counts what is built
+        finally:
+            trainer.close()
+
+
 def test_old_model_follows_policy_across_batches(model_dirs, megatron_tp1):
     """After an optimizer step the old model is stale until refresh_old, then equals the policy."""
     from periodic_async.actor.packing import pack_micro_batch

@@ -132,7 +132,7 @@ class ActorConfig:
     adam_eps: float = 1.0e-8
     grad_clip: float = 1.0
     clip_ratio: float = 0.2
-    kl_coef: float = 0.0
+    kl_coef: float = 0.0      # 0: no KL term, so no reference model is built (and no actor/kl_loss)
     kl_type: str = "low_var_kl"  # low_var_kl (k3) | kl (k1) | mse (k2)
     entropy_coef: float = 0.0
     micro_batch_size: int = 32   # sequences per forward/backward micro-step
@@ -161,6 +161,12 @@ class ActorConfig:
     fp32_master_weights: bool = True
     # The data-parallel gradient all-reduce in fp32 (else in the model's dtype: half the traffic).
     grad_reduce_in_fp32: bool = True
+
+    @property
+    def uses_reference(self) -> bool:
+        """The reference model is built only for a KL term, as in verl: without one its forward
+        would only feed the actor/kl_loss metric (one of a micro-step's three forwards)."""
+        return self.kl_coef != 0
 
 
 @dataclass

@@ -94,7 +94,8 @@ class Trainer:
         self.eos_id = self.tokenizer.eos_token_id
         self.staleness = STRICT
         self.actor = TriModelActor(cfg.actor, self.arch, self.model_dir, cfg.model.dtype, self.device,
-                                   temperature=cfg.rollout.temperature or 1.0, with_reference=True,
+                                   temperature=cfg.rollout.temperature or 1.0,
+                                   with_reference=cfg.actor.uses_reference,
                                    pad_token_id=self.pad_id)
         self.version = 0
         self.start_step = 0             # the last step done (a resumed run's checkpoint step)
