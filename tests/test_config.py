@@ -165,3 +165,8 @@ def test_cli_reports_config_error_and_builds_nothing(tmp_path, capsys):
 
 def test_dataclass_defaults_validate():
     Config().validate(world_size=1)
+
+
+def test_rollout_ignore_eos_loads_typed():
+    assert load_config(DEFAULT).rollout.ignore_eos is False
+    assert load_config(DEFAULT, ["rollout.ignore_eos=true"]).validate(world_size=1).rollout.ignore_eos is True

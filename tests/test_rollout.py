@@ -1,5 +1,6 @@
-"""The HF rollout engine: greedy equals transformers' generate, seeded sampling does not depend on
-batching, rollout log-probs equal the trainer's, and weight updates take effect."""
+"""The HF rollout engine: greedy equals transformers' generate, the batched engine equals its slow
+one-sequence reference, seeded sampling does not depend on batching, rollout log-probs equal the
+trainer's, and weight updates take effect."""
 import pytest
 import torch
 from transformers import Qwen2ForCausalLM
@@ -12,14 +13,14 @@ from periodic_async.models.mcore import arch_from_hf_dir
 from periodic_async.models.tiny import tiny_hf_config
 from periodic_async.models.tokenizer import build_char_tokenizer, mark_char_tokenizer
 from periodic_async.rollout.base import RolloutRequest, SamplingParams
-from periodic_async.rollout.hf_engine import HFRolloutEngine
+from periodic_async.rollout.hf_engine import HFRolloutEngine, _filter_logits, _filter_logits_batch, _inverse_cdf
 
 
-def _model_dir(path, seed):
+def _model_dir(path, seed, init=0.3, **arch):
     """A tiny Qwen2 with a large init (logits far from uniform, so greedy has no near-ties)."""
     tok = build_char_tokenizer()
-    cfg = tiny_hf_config(TinyModelConfig(), len(tok), tok.eos_token_id, tok.pad_token_id)
-    cfg.initializer_range = 0.3
+    cfg = tiny_hf_config(TinyModelConfig(**arch), len(tok), tok.eos_token_id, tok.pad_token_id)
+    cfg.initializer_range = init
     torch.manual_seed(seed)
     Qwen2ForCausalLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)
@@ -84,6 +85,122 @@ def test_top_k_one_is_greedy(model):
     assert a == b
 
 
+@pytest.fixture(scope="module")
+def ref_model(tmp_path_factory):
+    """Grouped KV heads (4 heads, 2 KV heads). Init 0.1: a padded and an unpadded forward agree to
+    ~1e-6 in log-prob (at init 0.3 they differ by up to ~3e-5: summation order in the GEMMs,
+    amplified by large activations), and the logits are still far enough from uniform for greedy
+    to have no near-ties."""
+    return _model_dir(tmp_path_factory.mktemp("ref"), seed=2, init=0.1, num_heads=4, num_kv_heads=2)
+
+
+MIX_PROMPTS = ["4719=", "12=", "9=", "30571=", "1+2=", "987654321+12345="]
+
+
+def _mixed_requests(tok, seed=11):
+    """Prompts of 2..16 tokens, K from 1 to 4, greedy and sampled with top-k / top-p, different
+    max_new_tokens and stop tokens (EOS always stops too)."""
+    digit = lambda c: tok(c, add_special_tokens=False).input_ids[0]  # noqa: E731
+    sps = [SamplingParams(temperature=0.0, max_new_tokens=7),
+           SamplingParams(temperature=1.0, max_new_tokens=9, stop_token_ids=(digit("7"), digit("5"))),
+           SamplingParams(temperature=0.7, top_k=4, max_new_tokens=5),
+           SamplingParams(temperature=1.2, top_p=0.8, max_new_tokens=12, stop_token_ids=(digit("3"),)),
+           SamplingParams(temperature=0.9, top_k=6, top_p=0.9, max_new_tokens=3),
+           SamplingParams(temperature=1.0, max_new_tokens=10, stop_token_ids=(digit("1"), digit("8")))]
+    return [RolloutRequest(i, tok(p, add_special_tokens=False).input_ids, n, sp, seed + i)
+            for i, (p, n, sp) in enumerate(zip(MIX_PROMPTS, [1, 3, 2, 4, 1, 3], sps))]
+
+
+def _check_equal(got, want, tol=1e-5):
+    key = lambda r: (r.group_index, r.sample_index)  # noqa: E731
+    got, want = sorted(got, key=key), sorted(want, key=key)
+    assert [key(r) for r in got] == [key(r) for r in want]
+    for a, b in zip(got, want):
+        assert a.response_ids == b.response_ids, key(a)
+        assert a.finish_reason == b.finish_reason, key(a)
+        assert len(a.logprobs) == len(b.logprobs)
+        worst = max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs))
+        assert worst < tol, (key(a), worst)
+
+
+def test_batched_engine_equals_the_one_sequence_reference(ref_model):
+    """The batched engine (shared-prompt prefill, refills merged into the running cache, finished
+    rows dropped, vectorised sampling) gives the tokens and log-probs of the slow reference: each
+    sequence alone, a full forward per token. 14 samples through 5 slots, half of the requests
+    arriving while the others decode."""
+    path, tok = ref_model
+    engine = _engine(path, tok, mbs=5)
+    reqs = _mixed_requests(tok)
+    arrivals = [reqs[3:], [], []]
+    occupancy = []
+    got = [r for finished in engine.serve(lambda: arrivals.pop() if arrivals else None, initial=reqs[:3],
+                                          on_slots=occupancy.append) for r in finished]
+    _check_equal(got, engine.generate_reference(reqs))
+    # what the test claims to cover
+    stops = {len(r.response_ids) for r in got if r.finish_reason == "stop"}
+    assert len(stops) >= 2 and any(r.finish_reason == "length" for r in got), stops
+    assert len(got) == 14 and max(occupancy) == 5
+    # a sequence holds one slot 0..max_slots-1 while it is active; a slot holds one sequence at a time
+    by_slot = {}
+    for r in got:
+        by_slot.setdefault(r.timings["slot"], []).append((r.timings["start"], r.timings["end"]))
+    assert set(by_slot) == set(range(5))
+    for spans in by_slot.values():
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+    assert len({r.timings["start"] for r in got}) > 2          # slots were refilled
+
+
+def test_a_response_does_not_depend_on_its_batch_mates(ref_model):
+    """The same samples, alone, among short greedy prompts, or among longer prompts arriving later
+    (other padding, other batch positions, other admission times): the same tokens and log-probs."""
+    path, tok = ref_model
+    sp = SamplingParams(temperature=1.0, top_k=8, top_p=0.95, max_new_tokens=8, stop_token_ids=(tok.eos_token_id,))
+    target = RolloutRequest(0, tok("30571=", add_special_tokens=False).input_ids, 3, sp, 5)
+    alone = list(_engine(path, tok, mbs=1).generate([target]))
+    short_mates = _requests(tok, SamplingParams(temperature=0.0, max_new_tokens=3), ["9=", "12="], n=2, seed=40)
+    long_mates = _mixed_requests(tok, seed=70)[3:]
+    for r in short_mates + long_mates:
+        r.group_index += 10
+    runs = [list(_engine(path, tok).generate(short_mates + [target])),
+            list(_engine(path, tok, mbs=4).generate([target] + long_mates))]
+    arrivals = [[target], [], long_mates[:1]]
+    runs.append([r for fin in _engine(path, tok, mbs=6).serve(lambda: arrivals.pop() if arrivals else None,
+                                                              initial=short_mates + long_mates[1:]) for r in fin])
+    for run in runs:
+        _check_equal([r for r in run if r.group_index == 0], alone)
+    assert len({tuple(r.response_ids) for r in alone}) == 3
+
+
+def test_batched_filter_equals_the_per_row_filter():
+    torch.manual_seed(0)
+    logits = torch.randn(7, 50) * 3
+    logits[3, :10] = 2.0                            # ties at the top-k boundary are all kept
+    ks = [-1, 1, 5, 50, 100, 10, 3]
+    ps = [1.0, 0.5, 0.9, 0.3, 1.0, 1.0, 0.99]
+    want = torch.stack([_filter_logits(row, k, p) for row, k, p in zip(logits, ks, ps)])
+    got = _filter_logits_batch(logits, torch.tensor(ks), torch.tensor(ps))
+    assert torch.equal(got, want)
+    for k, p in [(5, 1.0), (-1, 0.7), (4, 0.8), (-1, 1.0)]:     # one value for all rows
+        want = torch.stack([_filter_logits(row, k, p) for row in logits])
+        assert torch.equal(_filter_logits_batch(logits, k, p), want)
+        assert torch.equal(_filter_logits_batch(logits, torch.full((7,), k), torch.full((7,), p)), want)
+
+
+def test_inverse_cdf_sampling():
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0])
+    n = 1000
+    u = (torch.arange(n) + 0.5) / n                  # an even grid of uniforms: counts = n * probs
+    tok = _inverse_cdf(probs.expand(n, -1), u)
+    assert torch.bincount(tok, minlength=5).tolist() == [100, 0, 600, 300, 0]
+    # the ends: u = 0 is the first token with mass, the largest float32 below 1 the last one
+    # (u * total rounds up to total), also for rows of any total
+    edge = torch.tensor([0.0, 1 - 2 ** -24])
+    for row in (probs, probs * 7.3, torch.tensor([0.0, 0.0, 1e-30, 0.0])):
+        nz = row.nonzero()[:, 0]
+        assert _inverse_cdf(row.expand(2, -1), edge).tolist() == [nz[0].item(), nz[-1].item()]
+
+
 def test_rollout_logprobs_equal_trainer_logprobs(model):
     path, tok = model
     get_backend("cpu").init_distributed()
@@ -140,3 +257,24 @@ def test_each_worker_process_starts_with_the_visible_devices_of_its_placement(mo
     finally:
         pool.close()
     assert {k: os.environ.get(k) for k in before} == before
+
+
+def test_ignore_eos_runs_every_response_to_max_new_tokens(model):
+    """rollout.ignore_eos: the same seeded draws, but EOS no longer ends a response, so each one is
+    exactly max_new_tokens long and starts with what the stopping run produced (EOS included)."""
+    from periodic_async.rollout.hf_engine import reference_generate
+    path, tok = model
+    engine = _engine(path, tok)
+    stop = SamplingParams(temperature=1.0, max_new_tokens=40, stop_token_ids=(tok.eos_token_id,))
+    free = SamplingParams(temperature=1.0, max_new_tokens=40, ignore_eos=True)
+    key = lambda r: (r.group_index, r.sample_index)  # noqa: E731
+    stopped = sorted(engine.generate(_requests(tok, stop, n=4)), key=key)
+    ran = sorted(engine.generate(_requests(tok, free, n=4)), key=key)
+    assert any(r.finish_reason == "stop" for r in stopped)   # EOS does get sampled by this model
+    for s, r in zip(stopped, ran):
+        assert len(r.response_ids) == 40 and r.finish_reason == "length"
+        assert r.response_ids[:len(s.response_ids)] == s.response_ids
+    hf = Qwen2ForCausalLM.from_pretrained(path).eval()
+    req = _requests(tok, free, n=4)[0]
+    ids, _, reason = reference_generate(hf, req, 0, tok.eos_token_id)
+    assert reason == "length" and ids == ran[0].response_ids

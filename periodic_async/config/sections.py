@@ -86,6 +86,9 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 3
+    # true: generation does not stop at EOS (each response is exactly max_new_tokens long; for
+    # benchmarks that need fixed lengths, like vLLM's ignore_eos)
+    ignore_eos: bool = False
     max_slots: int = 256        # sequences decoded together per engine (continuous batching)
     # Modes periodic / sync_split: rollout worker processes, each on its own device (its own CPU
     # cores on the cpu backend); the trainer keeps the rest.

@@ -22,6 +22,9 @@ class SamplingParams:
     top_k: int = -1               # -1 = off
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
+    # True: the engine does not stop on the tokenizer's EOS (nor add it to the stops): every
+    # response runs to max_new_tokens unless it hits one of stop_token_ids (benchmarks)
+    ignore_eos: bool = False
 
 
 @dataclass

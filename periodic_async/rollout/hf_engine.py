@@ -2,11 +2,27 @@
 KV-cached sampling loop.
 
 For minimal installs and the embedded CPU run; vLLM workers implement the same interface for
-production. Scheduling: up to `max_slots` sequences decode together. When sequences finish and
-requests are waiting, the free slots are refilled at once (no waiting for the slowest sequence of
-a wave): the active set is re-prefilled together (prompt + tokens so far, left-padded) and decoding
-continues with the new KV cache. Each sequence samples with its own torch Generator seeded by
-(request seed, k), so a response does not depend on its batch-mates or on when it was admitted.
+production. Scheduling: up to `max_slots` sequences decode together, in one left-padded KV cache
+(a transformers DynamicCache whose layers keep keys / values [rows, kv_heads, width, head_dim] as
+views of buffers with room for the tokens still to come, so a decode step writes its column in
+place instead of copying the cache).
+- A finished sequence leaves the batch at once: its rows of the cache, the attention mask and the
+  per-row state are dropped, and leading cache columns that are padding for every remaining row
+  are trimmed.
+- Free slots are refilled at once from the waiting requests (no waiting for the slowest sequence
+  of a wave). Only the newly admitted sequences are prefilled, each distinct prompt once, its KV
+  rows repeated for the samples that share it; they join the running cache, padded on the left to
+  a common width.
+- One vectorised sampling step per decode step for the whole batch: temperature, top-k / top-p
+  filtering (per row), then inverse-CDF sampling with each sequence's own uniform for its current
+  position. The uniforms are drawn once, at admission, from a generator seeded by
+  (request seed, k), so a response depends only on its request, its k and its own logits: not on
+  its batch-mates or on when it was admitted. Temperature 0 is argmax.
+Log-probs are those of the full (unfiltered) distribution at the sampling temperature, which the
+trainer recomputes (temperature 0: at temperature 1).
+
+`reference_generate` is the slow, simple path the engine is tested against: one sequence alone,
+a full forward over its tokens so far at every step, the same uniforms.
 """
 from __future__ import annotations
 
@@ -16,40 +32,271 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
+from transformers.cache_utils import DynamicLayer
 
-from .base import RolloutEngine, RolloutRequest, RolloutResult, sample_seed
+from .base import RolloutEngine, RolloutRequest, RolloutResult, SamplingParams, sample_seed
+
+NEG_INF = float("-inf")
+
+
+# ---------------------------------------------------------------------- sampling
+def sequence_uniforms(request_seed: int, sample_index: int, max_new_tokens: int) -> torch.Tensor:
+    """The uniforms in [0, 1) sample k of a request uses, one per response position
+    [max(1, max_new_tokens)] float32 (at least one token is always generated)."""
+    g = torch.Generator().manual_seed(sample_seed(request_seed, sample_index))
+    return torch.rand(max(1, max_new_tokens), generator=g)
 
 
 def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """logits [V] -> logits with tokens outside top-k / the top-p nucleus set to -inf."""
+    """logits [V] -> logits with tokens outside top-k / the top-p nucleus set to -inf (the
+    per-sequence reference of `_filter_logits_batch`)."""
     if top_k > 0 and top_k < logits.numel():
         kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        logits = logits.masked_fill(logits < kth, NEG_INF)
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = sorted_logits.softmax(-1)
         drop = probs.cumsum(-1) - probs >= top_p  # keep the token that crosses top_p
         logits = logits.clone()
-        logits[order[drop]] = float("-inf")
+        logits[order[drop]] = NEG_INF
     return logits
 
 
+def _filter_logits_batch(logits: torch.Tensor, top_k: int | torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> the same with each row's tokens outside its top-k / top-p nucleus at -inf.
+    top_k / top_p: one value for all rows, or per row [B] (top_k <= 0 or >= V, top_p >= 1: off)."""
+    V = logits.shape[-1]
+    if isinstance(top_k, torch.Tensor):
+        on = (top_k > 0) & (top_k < V)
+        if bool(on.any()):
+            kmax = int(top_k[on].max())
+            vals = torch.topk(logits, kmax, dim=-1).values                          # [B, kmax]
+            kth = vals.gather(-1, (top_k.clamp(1, kmax) - 1)[:, None])              # [B, 1]
+            kth = kth.masked_fill(~on[:, None], NEG_INF)                            # rows without top-k keep all
+            logits = logits.masked_fill(logits < kth, NEG_INF)
+    elif 0 < top_k < V:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, NEG_INF)
+    if isinstance(top_p, torch.Tensor):
+        on_p = top_p < 1.0
+        if not bool(on_p.any()):
+            return logits
+        p = top_p[:, None]
+    elif top_p < 1.0:
+        on_p, p = None, top_p
+    else:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = sorted_logits.softmax(-1)
+    drop = probs.cumsum(-1) - probs >= p                    # [B, V] sorted order; keeps the token crossing p
+    if on_p is not None:
+        drop &= on_p[:, None]                               # top_p = 1 rows: cumsum rounding must not cut a tail
+    return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), NEG_INF)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs [B, V] (non-negative, any positive row sum), u [B] in [0, 1) -> tokens [B]: per row
+    the first index whose cumulative probability exceeds u * (row sum). A zero-probability token
+    is never chosen (its cumulative probability equals its predecessor's)."""
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    # u * total can round up to total: stay strictly below it, so some index exceeds it
+    x = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x, right=True)[:, 0]
+
+
+@dataclass
+class _RowParams:
+    """Sampling parameters of the batch rows, each one value for all rows where they agree (the
+    common case: cheaper ops, no per-row tensors) or a tensor [B] where they differ."""
+    temperature: float | torch.Tensor     # [B, 1] if per row; greedy rows: 1 (log-probs at temperature 1)
+    greedy: bool | torch.Tensor           # True / False for all rows, or a mask [B]
+    top_k: int | torch.Tensor
+    top_p: float | torch.Tensor
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], device) -> _RowParams:
+        def one_or_per_row(values, dtype):
+            return values[0] if len(set(values)) == 1 else torch.tensor(values, dtype=dtype, device=device)
+        temps = [p.temperature for p in params]
+        t = one_or_per_row(temps, torch.float32)
+        if isinstance(t, torch.Tensor):
+            greedy = t == 0
+            t = torch.where(greedy, 1.0, t)[:, None]
+        else:
+            greedy, t = t == 0, 1.0 if t == 0 else float(t)
+        return cls(t, greedy, one_or_per_row([p.top_k for p in params], torch.long),
+                   one_or_per_row([float(p.top_p) for p in params], torch.float32))
+
+
+def _sample_batch(logits: torch.Tensor, rp: _RowParams, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] fp32, u [B] (each row's uniform for its position) -> (tokens [B], log-probs
+    [B]): log_softmax(logits / T) at the token, unfiltered."""
+    scaled = logits / rp.temperature
+    if rp.greedy is True:
+        tok = logits.argmax(-1)
+    else:
+        probs = _filter_logits_batch(scaled, rp.top_k, rp.top_p).softmax(-1)
+        tok = _inverse_cdf(probs, u)
+        if isinstance(rp.greedy, torch.Tensor):
+            tok = torch.where(rp.greedy, logits.argmax(-1), tok)
+    lp = torch.log_softmax(scaled, -1).gather(-1, tok[:, None])[:, 0]
+    return tok, lp
+
+
+@torch.no_grad()
+def reference_generate(model, request: RolloutRequest, k: int,
+                       eos_token_id: int | None) -> tuple[list[int], list[float], str]:
+    """Sample k of `request`, generated the slow, simple way: alone, with a full forward over the
+    tokens so far at every step (no cache, no padding, no batch-mates) and the per-sequence
+    filter; the same uniforms as the engine. Returns (response ids, log-probs, finish reason)."""
+    sp = request.sampling
+    u = sequence_uniforms(request.seed, k, sp.max_new_tokens)
+    stops = set(sp.stop_token_ids) | ({eos_token_id} if eos_token_id is not None and not sp.ignore_eos else set())
+    device = next(model.parameters()).device
+    ids: list[int] = []
+    lps: list[float] = []
+    while True:
+        x = torch.tensor([list(request.prompt_ids) + ids], device=device)
+        logits = model(input_ids=x).logits[0, -1].float().cpu()
+        if sp.temperature == 0:
+            tok = int(logits.argmax())
+            lp = float(torch.log_softmax(logits, -1)[tok])
+        else:
+            scaled = logits / sp.temperature
+            cdf = _filter_logits(scaled, sp.top_k, sp.top_p).softmax(-1).cumsum(-1)
+            target = torch.minimum(u[len(ids)] * cdf[-1], torch.nextafter(cdf[-1], torch.zeros(())))
+            tok = int((cdf <= target).sum())              # the first index whose cdf exceeds target
+            lp = float(torch.log_softmax(scaled, -1)[tok])
+        ids.append(tok)
+        lps.append(lp)
+        if tok in stops:
+            return ids, lps, "stop"
+        if len(ids) >= sp.max_new_tokens:
+            return ids, lps, "length"
+
+
+# ---------------------------------------------------------------------- the batch
 @dataclass
 class _Seq:
     """One sequence being generated: sample `k` of `request`."""
     request: RolloutRequest
     k: int
-    generator: torch.Generator
     slot: int = -1
     out_ids: list[int] = field(default_factory=list)
     out_lp: list[float] = field(default_factory=list)
     t_start: float = 0.0
-    done: bool = False
     reason: str = "length"
+    stops: frozenset = frozenset()      # stop tokens and EOS
 
-    @property
-    def tokens(self) -> list[int]:
-        return self.request.prompt_ids + self.out_ids
+
+class _RoomyLayer(DynamicLayer):
+    """A DynamicLayer whose keys / values [B, kv_heads, n, head_dim] are views of buffers with room
+    for more columns: a decode step writes its column in place, where DynamicLayer concatenates
+    (a copy of the whole layer per step). Trimming leading columns moves the view's start."""
+
+    def __init__(self, kbuf: torch.Tensor, vbuf: torch.Tensor, n: int):
+        """kbuf, vbuf [B, kv_heads, capacity, head_dim]; their first n columns hold the cache."""
+        super().__init__()
+        self.kbuf, self.vbuf, self.lo, self.hi = kbuf, vbuf, 0, n
+        self.dtype, self.device, self.is_initialized = kbuf.dtype, kbuf.device, True
+        self._view()
+
+    def _view(self) -> None:
+        self.keys, self.values = self.kbuf[:, :, self.lo:self.hi], self.vbuf[:, :, self.lo:self.hi]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        q = key_states.shape[-2]
+        if self.hi + q > self.kbuf.shape[-2]:      # out of room (capacities are sized not to be)
+            grow = lambda b: F.pad(b, (0, 0, 0, max(q, b.shape[-2])))  # noqa: E731
+            self.kbuf, self.vbuf = grow(self.kbuf), grow(self.vbuf)
+        self.kbuf[:, :, self.hi:self.hi + q] = key_states
+        self.vbuf[:, :, self.hi:self.hi + q] = value_states
+        self.hi += q
+        self._view()
+        return self.keys, self.values
+
+    def trim(self, n: int) -> None:
+        self.lo += n
+        self._view()
+
+    def select(self, idx: torch.Tensor) -> _RoomyLayer:
+        """Rows idx, with the room this layer had (one copy)."""
+        return _RoomyLayer(self.kbuf[:, :, self.lo:].index_select(0, idx),
+                           self.vbuf[:, :, self.lo:].index_select(0, idx), self.hi - self.lo)
+
+    @staticmethod
+    def stack(parts: list[torch.Tensor], width: int, room: int) -> torch.Tensor:
+        """[b_i, kv_heads, w_i, head_dim] tensors -> one buffer [sum b_i, kv_heads, width + room,
+        head_dim], each part right-aligned in the first `width` columns (zeros on its left)."""
+        _, h, _, d = parts[0].shape
+        buf = parts[0].new_zeros(sum(p.shape[0] for p in parts), h, width + room, d)
+        row = 0
+        for p in parts:
+            buf[row:row + p.shape[0], :, width - p.shape[2]:width] = p
+            row += p.shape[0]
+        return buf
+
+
+def _roomy_cache(layers: list[_RoomyLayer]):
+    from transformers import DynamicCache
+    cache = DynamicCache()
+    cache.layers = layers
+    return cache
+
+
+def _room(rows: list[_Seq]) -> int:
+    """Cache columns the rows can still add (one per decode step) = their most tokens to come."""
+    return max(max(1, s.request.sampling.max_new_tokens) - len(s.out_ids) for s in rows)
+
+
+class _Batch:
+    """The active sequences, row i of every tensor and of the cache being `rows[i]`.
+
+    cache: DynamicCache of _RoomyLayer, each layer's keys / values [B, kv_heads, W, head_dim],
+        left-padded (padding columns are zeros, masked)
+    attn [B, W] long: 1 where the cache column holds one of the row's tokens
+    next_ids [B] long: the last sampled token (not yet in the cache), fed at position pos [B]
+    step [B] long: tokens sampled so far = the index into unif [B, T] of the next uniform
+    """
+
+    def __init__(self, rows: list[_Seq], cache, attn: torch.Tensor, pos: torch.Tensor, unif: torch.Tensor):
+        self.rows: list[_Seq] = rows
+        self.cache, self.attn, self.pos, self.unif = cache, attn, pos, unif
+        self.step = torch.zeros(len(rows), dtype=torch.long, device=attn.device)
+        self.next_ids = torch.zeros(len(rows), dtype=torch.long, device=attn.device)
+        self.params: _RowParams | None = None
+
+    def select(self, idx: torch.Tensor) -> None:
+        """Keep rows idx (a list of row numbers as a tensor), then trim the leading columns that
+        are padding for all of them."""
+        self.rows = [self.rows[i] for i in idx.tolist()]
+        idx = idx.to(self.attn.device)
+        self.cache = _roomy_cache([layer.select(idx) for layer in self.cache.layers])
+        for name in ("attn", "pos", "unif", "step", "next_ids"):
+            setattr(self, name, getattr(self, name).index_select(0, idx))
+        first = int(self.attn.any(0).int().argmax())
+        if first > 0:
+            for layer in self.cache.layers:
+                layer.trim(first)
+            self.attn = self.attn[:, first:]
+        self.params = None
+
+    def extend(self, other: _Batch) -> None:
+        """Append other's rows: one new cache, both parts padded on the left to the wider one."""
+        w, room = max(self.attn.shape[1], other.attn.shape[1]), _room(self.rows + other.rows)
+        self.cache = _roomy_cache([_RoomyLayer(_RoomyLayer.stack([a.keys, b.keys], w, room),
+                                               _RoomyLayer.stack([a.values, b.values], w, room), w)
+                                   for a, b in zip(self.cache.layers, other.cache.layers)])
+        self.attn = torch.cat([F.pad(x, (w - x.shape[1], 0)) for x in (self.attn, other.attn)])
+        t = max(self.unif.shape[1], other.unif.shape[1])
+        self.unif = torch.cat([F.pad(self.unif, (0, t - self.unif.shape[1])),
+                               F.pad(other.unif, (0, t - other.unif.shape[1]))])
+        for name in ("pos", "step", "next_ids"):
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        self.rows = self.rows + other.rows
+        self.params = None
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -91,32 +338,29 @@ class HFRolloutEngine(RolloutEngine):
         is pending, nothing is active, and `poll()` returns None. `on_slots(n_active)` reports
         occupancy (for idle metrics)."""
         pending: deque[_Seq] = deque()
+        eos = {self.eos_token_id} if self.eos_token_id is not None else set()
 
         def admit(reqs):
             for r in reqs or ():
+                stops = frozenset(r.sampling.stop_token_ids) | (frozenset() if r.sampling.ignore_eos else eos)
                 for k in r.samples():
-                    pending.append(_Seq(r, k, torch.Generator().manual_seed(sample_seed(r.seed, k))))
+                    pending.append(_Seq(r, k, stops=stops))
 
         admit(initial)
-        slots: list[_Seq | None] = [None] * self.max_slots
-        past = None                       # KV cache of the active rows, in `rows` order
-        rows: list[_Seq] = []
-        attn = pos = next_ids = None
+        free_slots = list(range(self.max_slots - 1, -1, -1))   # a stack: lowest slot number first
+        batch: _Batch | None = None
         while True:
             new = poll()
             admit(new)
-            free = [i for i, s in enumerate(slots) if s is None]
-            if pending and free:
+            joining: list[_Seq] = []
+            if pending and free_slots:
                 now = time.perf_counter()
-                for i in free:
-                    if not pending:
-                        break
+                while pending and free_slots:
                     seq = pending.popleft()
-                    seq.slot, seq.t_start = i, now
-                    slots[i] = seq
-                past = None               # re-prefill the new active set
-            rows_now = [s for s in slots if s is not None]
-            if not rows_now:
+                    seq.slot, seq.t_start = free_slots.pop(), now
+                    joining.append(seq)
+            n_active = (len(batch.rows) if batch else 0) + len(joining)
+            if n_active == 0:
                 if new is None and not pending:
                     return
                 if on_slots:
@@ -124,70 +368,93 @@ class HFRolloutEngine(RolloutEngine):
                 time.sleep(0.001)
                 continue
             if on_slots:
-                on_slots(len(rows_now))
-            if past is None:
-                rows = rows_now
-                logits, past, attn, pos = self._prefill(rows)
-            else:
-                out = self.model(input_ids=next_ids, attention_mask=attn, position_ids=pos, past_key_values=past,
-                                 use_cache=True)
-                past, logits = out.past_key_values, out.logits[:, -1, :].float().cpu()
-            next_tok = torch.full((len(rows),), self.pad_token_id, dtype=torch.long)
-            finished = []
-            for i, seq in enumerate(rows):
-                if seq.done:
-                    continue
-                tok = self._sample(seq, logits[i])
-                next_tok[i] = tok
-                sp = seq.request.sampling
-                if tok in sp.stop_token_ids or tok == self.eos_token_id:
-                    seq.done, seq.reason = True, "stop"
-                elif len(seq.out_ids) >= sp.max_new_tokens:
-                    seq.done = True
-                if seq.done:
+                on_slots(n_active)
+            logits = []
+            if batch is not None:
+                logits.append(self._decode(batch))
+            if joining:
+                joined, new_logits = self._prefill(joining)
+                logits.append(new_logits)
+                if batch is None:
+                    batch = joined
+                else:
+                    batch.extend(joined)
+            logits = torch.cat(logits) if len(logits) > 1 else logits[0]
+            if batch.params is None:
+                batch.params = _RowParams.of([s.request.sampling for s in batch.rows], self.device)
+            u = batch.unif.gather(1, batch.step[:, None])[:, 0]
+            tok, lp = _sample_batch(logits, batch.params, u)
+            batch.next_ids = tok
+            batch.step += 1
+            host = torch.stack([tok.double(), lp.double()]).cpu()     # one device -> host copy per step
+            finished, keep = [], []
+            for i, (seq, t, l) in enumerate(zip(batch.rows, host[0].long().tolist(), host[1].tolist())):
+                seq.out_ids.append(t)
+                seq.out_lp.append(l)
+                if t in seq.stops:
+                    seq.reason = "stop"
                     finished.append(seq)
+                elif len(seq.out_ids) >= seq.request.sampling.max_new_tokens:
+                    finished.append(seq)
+                else:
+                    keep.append(i)
+            if not finished:
+                continue
             t_end = time.perf_counter()
             for seq in finished:
-                slots[seq.slot] = None
-            if finished:
-                yield [self._result(seq, t_end) for seq in finished]
-            if all(s.done for s in rows):
-                past = None
-                continue
-            next_ids = next_tok[:, None].to(self.device)
-            pos = pos[:, -1:] + 1
-            attn = torch.cat([attn, torch.ones((len(rows), 1), dtype=attn.dtype, device=self.device)], dim=1)
+                free_slots.append(seq.slot)
+            free_slots.sort(reverse=True)
+            if keep:
+                batch.select(torch.tensor(keep, dtype=torch.long))
+            else:
+                batch = None
+            yield [self._result(seq, t_end) for seq in finished]
 
-    def _prefill(self, rows: list[_Seq]):
-        """Left-padded forward over each row's tokens so far; returns last-position logits [b, V]."""
-        lens = [len(s.tokens) for s in rows]
+    def _decode(self, b: _Batch) -> torch.Tensor:
+        """One token for every row of b (its next_ids at pos); returns their logits [B, V] fp32."""
+        b.attn = torch.cat([b.attn, torch.ones_like(b.attn[:, :1])], dim=1)
+        out = self.model(input_ids=b.next_ids[:, None], attention_mask=b.attn, position_ids=b.pos[:, None],
+                         past_key_values=b.cache, use_cache=True)
+        b.cache = out.past_key_values
+        b.pos = b.pos + 1
+        return out.logits[:, -1, :].float()
+
+    def _prefill(self, seqs: list[_Seq]) -> tuple[_Batch, torch.Tensor]:
+        """Prefill the distinct prompts of `seqs` once (left-padded) and repeat their KV rows to one
+        per sequence; returns the new sequences' batch and their next-token logits [n, V] fp32."""
+        distinct: dict[tuple[int, ...], int] = {}
+        rep = [distinct.setdefault(tuple(s.request.prompt_ids), len(distinct)) for s in seqs]
+        prompts = list(distinct)
+        lens = [len(p) for p in prompts]
         width = max(lens)
-        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        attn = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, s in enumerate(rows):
-            ids[i, width - lens[i]:] = torch.tensor(s.tokens)
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - lens[i]:] = torch.tensor(p)
             attn[i, width - lens[i]:] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        # logits of the last position only: all of them would be [b, width, V] fp32 (74 GiB for 256
+        from transformers import DynamicCache
+        # a config-less DynamicCache: plain full-length layers (then copied into _RoomyLayers).
+        # Logits of the last position only: all of them would be [b, width, V] fp32 (74 GiB for 256
         # rows of 512 tokens of a Qwen2.5 vocabulary)
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1, :].float().cpu(), out.past_key_values, attn, pos
-
-    @staticmethod
-    def _sample(seq: _Seq, logits: torch.Tensor) -> int:
-        sp = seq.request.sampling
-        if sp.temperature == 0:
-            tok = int(logits.argmax())
-            lp = float(torch.log_softmax(logits, -1)[tok])
-        else:
-            scaled = logits / sp.temperature
-            probs = _filter_logits(scaled, sp.top_k, sp.top_p).softmax(-1)
-            tok = int(torch.multinomial(probs, 1, generator=seq.generator))
-            lp = float(torch.log_softmax(scaled, -1)[tok])
-        seq.out_ids.append(tok)
-        seq.out_lp.append(lp)
-        return tok
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=DynamicCache(),
+                         use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1, :].float()
+        shared = rep != list(range(len(prompts)))   # samples sharing a prompt: repeat its rows
+        idx = torch.tensor(rep, device=self.device)
+        room, layers = _room(seqs), []
+        for layer in out.past_key_values.layers:
+            kv = [t.index_select(0, idx) if shared else t for t in (layer.keys, layer.values)]
+            layers.append(_RoomyLayer(*(_RoomyLayer.stack([t], width, room) for t in kv), width))
+        cache = _roomy_cache(layers)
+        if shared:
+            attn, logits = attn.index_select(0, idx), logits.index_select(0, idx)
+        plen = torch.tensor([lens[i] for i in rep], device=self.device)
+        t = max(1, *(s.request.sampling.max_new_tokens for s in seqs))
+        unif = torch.stack([F.pad(sequence_uniforms(s.request.seed, s.k, s.request.sampling.max_new_tokens),
+                                  (0, t - max(1, s.request.sampling.max_new_tokens))) for s in seqs])
+        return _Batch(seqs, cache, attn, plen, unif.to(self.device)), logits
 
     def _result(self, seq: _Seq, t_end: float) -> RolloutResult:
         r = seq.request
@@ -195,3 +462,12 @@ class HFRolloutEngine(RolloutEngine):
                              response_ids=seq.out_ids, logprobs=seq.out_lp, finish_reason=seq.reason,
                              policy_version=self.policy_version,
                              timings={"start": seq.t_start, "end": t_end, "slot": seq.slot})
+
+    def generate_reference(self, requests: list[RolloutRequest]) -> list[RolloutResult]:
+        """`generate` the slow, simple way (`reference_generate`, one sequence at a time), for tests."""
+        out = []
+        for r in requests:
+            for k in r.samples():
+                ids, lps, reason = reference_generate(self.model, r, k, self.eos_token_id)
+                out.append(RolloutResult(r.group_index, k, list(r.prompt_ids), ids, lps, reason, self.policy_version))
+        return out

@@ -281,12 +281,13 @@ class VLLMRolloutEngine(RolloutEngine):
         from vllm import SamplingParams as VSP
         from vllm.sampling_params import RequestOutputKind
         stop = list(sp.stop_token_ids)
-        if self.eos_token_id is not None and self.eos_token_id not in stop:
+        if self.eos_token_id is not None and self.eos_token_id not in stop and not sp.ignore_eos:
             stop.append(self.eos_token_id)
         greedy = sp.temperature == 0
         return VSP(n=1, temperature=sp.temperature, top_p=1.0 if greedy else sp.top_p,
                    top_k=0 if greedy or sp.top_k < 0 else sp.top_k, max_tokens=sp.max_new_tokens,
-                   stop_token_ids=stop, seed=None if greedy else seed, logprobs=0, detokenize=False,
+                   stop_token_ids=stop, ignore_eos=sp.ignore_eos, seed=None if greedy else seed,
+                   logprobs=0, detokenize=False,
                    output_kind=RequestOutputKind.FINAL_ONLY)
 
     def serve(self, poll: Callable[[], list[RolloutRequest] | None], initial: list[RolloutRequest] = (),

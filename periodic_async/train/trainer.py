@@ -205,8 +205,9 @@ class Trainer:
         from ..scheduling.plan import BatchPlanner
         cfg = self.cfg
         loader = PromptLoader(self._records, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)
+        stops = (self.eos_id,) if self.eos_id is not None and not cfg.rollout.ignore_eos else ()
         sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k,
-                                  cfg.rollout.max_new_tokens, (self.eos_id,) if self.eos_id is not None else ())
+                                  cfg.rollout.max_new_tokens, stops, ignore_eos=cfg.rollout.ignore_eos)
         return BatchPlanner(loader, self._tokenize_prompt, sampling, cfg.trainer.seed, default_n=cfg.rollout.n)
 
     def _build_producer(self, placements, initial):

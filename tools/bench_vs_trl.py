@@ -1,0 +1,255 @@
+"""Throughput against TRL: TRL's GRPOTrainer and this project on the same GRPO work, side by side.
+
+    python tools/bench_vs_trl.py [--setups small,medium] [--steps 8] [--warmup 2] [--repeats 2]
+                                 [--modes periodic,sync_shared,periodic_shared] [--table FILE]
+
+The work (the same for both sides): a random-init Qwen2 checkpoint with the project's char
+tokenizer (one HF directory, loaded by both), the same random-digit prompts of exactly the
+prompt length, 8 prompts x K=8 = 64 completions per optimizer step, exactly 64 sampled tokens per
+completion, fp32, AdamW lr 3e-3, grad clip 1, no KL (TRL beta=0; project actor.kl_coef=0), the
+same cheap reward (the share of '7's in the response), temperature 1, 2 CPU threads in all.
+
+- TRL 1.16.0 GRPOTrainer, HF generate with min_new_tokens = max_new_tokens = 64 (EOS is masked out
+  of sampling), micro-batches of --micro-batch completions (gradient accumulation to 64). It runs in
+  its own venv, .venv-trl (made here on first use, pinned by tools/trl-constraints.txt).
+- the project (`python -m periodic_async`), configs/default.yaml plus the overrides below, with
+  rollout.ignore_eos=true (EOS may be sampled but does not end a response) and
+  actor.micro_batch_size = --micro-batch. Modes: periodic (the default: 1 rollout worker process on
+  one core, the trainer on the other), sync_shared (trainer.mode=sync + actor.shared_prompt),
+  periodic_shared (periodic + actor.shared_prompt), sync (plain colocated).
+
+Tokens are (prompt + completion) per completion: 64 x (P + 64) per step. Each side's tokens/s is
+over the steps after the warm-up (steps W+1..N) of every repeat, from per-step wall times (TRL: a
+TrainerCallback, time between step ends; project: metrics.jsonl timing_s/step). Within a repeat
+the sides run one after another, in the same order, so slow phases of a shared machine hit all.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRL_VENV = os.path.join(ROOT, ".venv-trl")
+TRL_CONSTRAINTS = os.path.join(ROOT, "tools", "trl-constraints.txt")
+TRL_PINS = ["torch==2.13.0", "transformers==5.19.0", "trl==1.16.0"]
+
+# name: (hidden, layers, heads, kv heads, ffn, prompt tokens, new tokens)
+SETUPS = {"small": (256, 4, 4, 2, 1024, 64, 64), "medium": (512, 8, 8, 4, 2048, 128, 64)}
+PROMPTS_PER_STEP, K = 8, 8
+MODES = {"periodic": ["trainer.mode=periodic", "rollout.num_workers=1"],
+         "sync_shared": ["trainer.mode=sync", "actor.shared_prompt=true"],
+         "periodic_shared": ["trainer.mode=periodic", "rollout.num_workers=1", "actor.shared_prompt=true"],
+         "sync": ["trainer.mode=sync"]}
+REWARD = '''def compute_score(response, answer):
+    """The share of '7's in the response: cheap, and it differs within a group."""
+    return response.count("7") / max(1, len(response))
+'''
+
+
+def log(msg: str) -> None:
+    print(f"[bench_vs_trl {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def ensure_trl_venv() -> str:
+    """.venv-trl with torch 2.13.0 (CPU wheel) first, then trl 1.16.0, all pinned; redone when the
+    constraints change."""
+    py = os.path.join(TRL_VENV, "bin", "python")
+    stamp = os.path.join(TRL_VENV, ".bench_vs_trl")
+    with open(TRL_CONSTRAINTS, "rb") as f:
+        want = hashlib.sha256(f.read()).hexdigest()[:16]
+    if os.path.exists(py) and os.path.exists(stamp) and open(stamp).read().strip() == want:
+        return py
+    if not os.path.exists(py):
+        log(f"creating {TRL_VENV}")
+        subprocess.run(["python3", "-m", "venv", TRL_VENV], check=True)
+    pip = [py, "-m", "pip", "install", "-c", TRL_CONSTRAINTS]
+    log("installing torch==2.13.0 (CPU wheel) into .venv-trl")
+    subprocess.run(pip + ["torch==2.13.0"], check=True)
+    log("installing trl==1.16.0 + transformers==5.19.0 into .venv-trl (about a minute)")
+    subprocess.run(pip + TRL_PINS, check=True)
+    out = subprocess.run([py, "-c", "import torch, trl, transformers; print(torch.__version__, trl.__version__, "
+                          "transformers.__version__)"], check=True, capture_output=True, text=True).stdout.split()
+    if not out[0].endswith("+cpu"):
+        sys.exit(f".venv-trl got torch {out[0]}, not the CPU wheel: check {TRL_CONSTRAINTS}")
+    log(f".venv-trl: torch {out[0]}, trl {out[1]}, transformers {out[2]}")
+    with open(stamp, "w") as f:
+        f.write(want + "\n")
+    return py
+
+
+def make_work(d: str, setup: str, steps: int, seed: int) -> tuple[str, str, str]:
+    """The model directory (HF Qwen2 + char tokenizer), the prompts jsonl and the reward file."""
+    sys.path.insert(0, ROOT)
+    from periodic_async.models.tiny import make_random_model_dir
+    from periodic_async.models.tokenizer import build_char_tokenizer, mark_char_tokenizer
+    hidden, layers, heads, kv, ffn, plen, new = SETUPS[setup]
+    tok = build_char_tokenizer()
+    model_dir = os.path.join(d, "model")
+    make_random_model_dir(model_dir, hidden, layers, heads, kv, ffn, len(tok), seed=seed,
+                          max_positions=max(1024, plen + new), eos_token_id=tok.eos_token_id)
+    tok.save_pretrained(model_dir)
+    mark_char_tokenizer(model_dir)
+    rng = random.Random(seed)
+    prompts = os.path.join(d, "prompts.jsonl")
+    with open(prompts, "w") as f:
+        for _ in range(PROMPTS_PER_STEP * (steps + 2)):
+            s = "".join(rng.choice("0123456789") for _ in range(plen - 1)) + "="
+            assert len(tok(s, add_special_tokens=False).input_ids) == plen
+            f.write(json.dumps({"question": s, "answer": ""}) + "\n")
+    reward = os.path.join(d, "reward.py")
+    with open(reward, "w") as f:
+        f.write(REWARD)
+    return model_dir, prompts, reward
+
+
+def run_trl(py: str, work, setup: str, steps: int, micro_batch: int, threads: int, run_dir: str,
+            grad_ckpt: bool) -> list[float]:
+    model_dir, prompts, reward = work
+    _, _, _, _, _, plen, new = SETUPS[setup]
+    out = os.path.join(run_dir, "trl_times.json")
+    cmd = [py, os.path.join(ROOT, "tools", "trl_grpo_run.py"), "--model-dir", model_dir, "--prompts", prompts,
+           "--reward", reward, "--steps", str(steps), "--out", out, "--micro-batch", str(micro_batch),
+           "--prompt-len", str(plen), "--new-tokens", str(new), "--threads", str(threads),
+           "--run-dir", os.path.join(run_dir, "trl")] + (["--gradient-checkpointing"] if grad_ckpt else [])
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    env.pop("PYTHONPATH", None)
+    _run(cmd, env, "trl")
+    with open(out) as f:
+        res = json.load(f)
+    lens = res["mean_completion_length"]
+    if lens and any(abs(x - new) > 1e-6 for x in lens):
+        sys.exit(f"TRL completions were not all {new} tokens: mean lengths {lens}")
+    return res["step_s"]
+
+
+def run_project(work, setup: str, mode: str, steps: int, micro_batch: int, run_dir: str) -> list[float]:
+    model_dir, prompts, reward = work
+    _, _, _, _, _, plen, new = SETUPS[setup]
+    cmd = [sys.executable, "-m", "periodic_async", "--config", os.path.join(ROOT, "configs", "default.yaml"),
+           f"model.path={model_dir}", "data.source=jsonl", f"data.path={prompts}", "data.chat_template=none",
+           f"data.train_batch_size={PROMPTS_PER_STEP}", f"data.max_prompt_length={plen}", f"rollout.n={K}",
+           f"rollout.max_new_tokens={new}", "rollout.ignore_eos=true", f"rollout.max_slots={PROMPTS_PER_STEP * K}",
+           f"actor.micro_batch_size={micro_batch}", "actor.lr=3e-3", "actor.kl_coef=0",
+           "reward.name=custom", f"reward.custom_file={reward}", "reward.num_workers=1",
+           f"trainer.total_steps={steps}", "trainer.save_final=false", "trainer.save_every=0",
+           "trainer.progress_bar=false", "trainer.tensorboard=false", f"trainer.run_dir={run_dir}", *MODES[mode]]
+    _run(cmd, dict(os.environ, PYTHONPATH=ROOT, TOKENIZERS_PARALLELISM="false"), f"project {mode}")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    recs = [r for r in recs if "timing_s/step" in r]
+    for r in recs:
+        for key, want in (("response_length/min", new), ("response_length/max", new), ("prompt_length/mean", plen)):
+            if abs(r.get(key, want) - want) > 1e-6:
+                sys.exit(f"project {mode}: {key} = {r[key]}, expected {want}")
+    return [r["timing_s/step"] for r in recs]
+
+
+def _run(cmd: list[str], env: dict, what: str) -> None:
+    """Run a side, echoing its per-step lines as progress; on failure, its output's tail."""
+    t = time.perf_counter()
+    tail: list[str] = []
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        tail = (tail + [line])[-80:]
+        if line.startswith("[trl] step") or line.lstrip().startswith("step "):
+            print(f"    {what}: {line.strip()[:160]}", flush=True)
+    if proc.wait() != 0:
+        sys.exit(f"{what} failed (rc {proc.returncode}): {' '.join(cmd)}\n{''.join(tail)}")
+    log(f"  {what}: done in {time.perf_counter() - t:.0f} s")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--setups", default="small")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2, help="steps left out of the measurement (the first W)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--modes", default="periodic,sync_shared,periodic_shared",
+                   help=f"project modes, from {','.join(MODES)}")
+    p.add_argument("--micro-batch", type=int, default=16, help="completions per forward/backward, both sides")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-trl", action="store_true", help="the project's modes only")
+    p.add_argument("--trl-gradient-checkpointing", action="store_true",
+                   help="keep TRL's default gradient checkpointing (off by default here: the project does not recompute)")
+    p.add_argument("--table", default=None, help="also write the markdown table to this file")
+    a = p.parse_args()
+    if a.steps <= a.warmup:
+        sys.exit("--steps must exceed --warmup")
+    modes = [m for m in a.modes.split(",") if m]
+    for m in modes:
+        if m not in MODES:
+            sys.exit(f"unknown mode {m!r} (choose from {', '.join(MODES)})")
+    py = None if a.no_trl else ensure_trl_venv()
+    sides = ([] if a.no_trl else ["trl"]) + modes
+    rows, raw = [], {}
+    for setup in a.setups.split(","):
+        hidden, layers, heads, kv, ffn, plen, new = SETUPS[setup]
+        step_tokens = PROMPTS_PER_STEP * K * (plen + new)
+        times = {s: [] for s in sides}
+        with tempfile.TemporaryDirectory(prefix=f"bench_vs_trl_{setup}_") as d:
+            work = make_work(d, setup, a.steps, a.seed)
+            log(f"{setup}: hidden {hidden}, {layers} layers, {heads}/{kv} heads, ffn {ffn}; prompt {plen} + "
+                f"{new} tokens, {PROMPTS_PER_STEP}x{K} completions/step; {a.steps} steps, warm-up {a.warmup}, "
+                f"{a.repeats} repeats")
+            for rep in range(a.repeats):
+                for side in sides:
+                    log(f"{setup} repeat {rep + 1}/{a.repeats}: {side}")
+                    run_dir = os.path.join(d, f"{side}_{rep}")
+                    os.makedirs(run_dir, exist_ok=True)
+                    if side == "trl":
+                        st = run_trl(py, work, setup, a.steps, a.micro_batch, a.threads, run_dir,
+                                     a.trl_gradient_checkpointing)
+                    else:
+                        st = run_project(work, setup, side, a.steps, a.micro_batch, run_dir)
+                    if len(st) != a.steps:
+                        sys.exit(f"{side}: {len(st)} step times, expected {a.steps}")
+                    times[side].append(st[a.warmup:])
+                    log(f"  {side}: measured steps {', '.join(f'{x:.2f}' for x in st[a.warmup:])} s "
+                        f"(warm-up {', '.join(f'{x:.2f}' for x in st[:a.warmup])} s)")
+        ref = None
+        for side in sides:
+            per_rep = [step_tokens * len(t) / sum(t) for t in times[side]]
+            allt = [x for t in times[side] for x in t]
+            tps = step_tokens * len(allt) / sum(allt)
+            if side == sides[0]:
+                ref = tps
+            med = statistics.median(allt)
+            if side == sides[0]:
+                ref_med = step_tokens / med
+            rows.append((setup, side, med, tps, min(per_rep), max(per_rep), tps / ref, step_tokens / med,
+                         step_tokens / med / ref_med))
+        raw[setup] = times
+    first = sides[0]
+    lines = [f"| setup | side | step s (median) | tokens/s | tokens/s per repeat (min - max) | x {first} "
+             f"| tokens/s at the median step | x {first} (median steps) |",
+             "|---|---|---|---|---|---|---|---|"]
+    names = {"trl": "TRL 1.16.0 GRPOTrainer", "periodic": "project, periodic (default)",
+             "sync_shared": "project, sync + shared_prompt", "periodic_shared": "project, periodic + shared_prompt",
+             "sync": "project, sync"}
+    for setup, side, med, tps, lo, hi, ratio, mtps, mratio in rows:
+        lines.append(f"| {setup} | {names[side]} | {med:.2f} | {tps:.0f} | {lo:.0f} - {hi:.0f} | {ratio:.2f} "
+                     f"| {mtps:.0f} | {mratio:.2f} |")
+    table = "\n".join(lines)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    header = (f"bench_vs_trl {stamp}: steps {a.steps}, warm-up {a.warmup}, repeats {a.repeats}, micro-batch "
+              f"{a.micro_batch}, {a.threads} threads; tokens = 64 x (prompt + 64) per step")
+    print("\n" + header + "\n\n" + table + "\n")
+    if a.table:
+        with open(a.table, "w") as f:
+            f.write(header + "\n\n" + table + "\n")
+        with open(os.path.splitext(a.table)[0] + ".json", "w") as f:   # the measured step times
+            json.dump({"header": header, "step_s": raw}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
