@@ -6,7 +6,7 @@ from periodic_async.data.records import PromptRecord
 from periodic_async.rollout.base import SamplingParams
 from periodic_async.scheduling.plan import BatchPlanner, request_seed
 from periodic_async.scheduling.staleness import STRICT, StalenessRule
-from periodic_async.train.feed import assign_groups
+from periodic_async.scheduling.dp_assignment import assign_groups
 from periodic_async.train.step import num_micro_batches
 
 from helpers import CyclingGroupSize

@@ -89,9 +89,9 @@ def test_long_tail_ordering():
 
 
 def test_dispatch_and_dp_assignment_follow_the_real_code():
-    from periodic_async.train.feed import assign_groups
+    from periodic_async.train import step
     sizes = {0: 8, 1: 4, 2: 8, 3: 2, 4: 6}
-    assert sim.assign_groups(sizes, 2) == assign_groups(sizes, 2)
+    assert sim.assign_groups is step.assign_groups        # the trainer's own rule, not a copy
     reqs = [[Sample(g, k, 3, 2) for k in range(n)] for g, n in sizes.items()]
     per_engine = sim.dispatch(reqs, 2)
     # least outstanding samples first, ties to the lower engine: 0 -> e0 (8), 1 -> e1 (4), 2 -> e1 (12),

@@ -17,7 +17,7 @@ rollout/worker.py, rollout/hf_engine.py, train/feed.py, train/step.py):
 - one producer thread: a result reaches it `result_s` after its engine step; the group whose K-th
   response arrives is scored there (reward_call_s + reward_item_s * K) before the next result is
   read, then queued - in completion order (periodic), or all at once after the last (sync_split);
-- the trainer: groups to DP ranks as train/feed.py: assign_groups; each rank packs a micro-batch
+- the trainer: groups to DP ranks by scheduling/dp_assignment.py (the trainer's own rule); each rank packs a micro-batch
   whenever micro_batch_size of its samples are pending (or its last group arrived), starting it at
   max(previous micro-step's end + handoff_busy_s, the group's arrival + handoff_wait_s); a micro-step
   costs micro_step_s + token_s * tokens (padded to the longest row) + attn_s * rows * width^2;
@@ -41,6 +41,9 @@ import random
 import statistics
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields
+
+from ..telemetry.step_metrics import union_length
+from .dp_assignment import assign_groups
 
 MODES = ("sync", "sync_split", "periodic")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -397,17 +400,6 @@ def _replay_incremental(samples: list[Sample], slots: int, gen: GenCosts, t0: fl
     return its
 
 
-def assign_groups(sizes: dict[int, int], dp_size: int) -> dict[int, int]:
-    """train/feed.py: assign_groups (largest group first to the least-loaded rank)."""
-    load = [0] * dp_size
-    owner = {}
-    for g in sorted(sizes, key=lambda g: (-sizes[g], g)):
-        r = min(range(dp_size), key=lambda r: (load[r], r))
-        owner[g] = r
-        load[r] += sizes[g]
-    return owner
-
-
 def dispatch(requests: list[list[Sample]], engines: int) -> list[list[Sample]]:
     """rollout/worker.py: WorkerPool.dispatch - each request to the engine with the fewest
     outstanding samples (ties: the lower id); an engine's samples in request order."""
@@ -456,7 +448,7 @@ def replay_step(mode: str, requests: list[list[Sample]], cluster: Cluster, costs
     busy = []
     for samples in per_engine:
         its = replay_engine(samples, cluster.slots, g, t_gen0)
-        busy.append(_union([(s.start, s.end) for s in samples]))
+        busy.append(union_length([(s.start, s.end) for s in samples]))
     samples = [s for req in requests for s in req]
     for s in samples:
         events.append({"step": step, "kind": "generate", "lane": f"worker{s.engine}/slot{s.slot}", "start": s.start,
@@ -536,18 +528,6 @@ def replay_step(mode: str, requests: list[list[Sample]], cluster: Cluster, costs
     return StepReplay(step_s=sync_end - t0, gen_s=gen_end - t0, train_s=train_busy + c.optimizer_s,
                       sync_s=sync_end - sync_start, tokens=sum(s.prompt + s.response for s in samples),
                       engine_busy_s=statistics.fmean(busy) if busy else 0.0, trainer_idle_s=wait, events=events)
-
-
-def _union(intervals) -> float:
-    total, a0, b0 = 0.0, None, None
-    for a, b in sorted(intervals):
-        if b0 is None or a > b0:
-            if b0 is not None:
-                total += b0 - a0
-            a0, b0 = a, b
-        else:
-            b0 = max(b0, b)
-    return total + (b0 - a0 if b0 is not None else 0.0)
 
 
 @dataclass

@@ -96,8 +96,8 @@ class Timeline:
 
 def _micro_batches(groups, micro_batch_size: int, dp_size: int) -> list[list[tuple[int, int, int]]]:
     """DP rank 0's micro-batches as (group, prompt tokens, response tokens) per sample: its groups
-    (train/feed.py: assign_groups) in completion order, cut every micro_batch_size samples."""
-    from ..train.feed import assign_groups
+    (scheduling/dp_assignment.py) in completion order, cut every micro_batch_size samples."""
+    from ..scheduling.dp_assignment import assign_groups
     owner = assign_groups({g.group_index: g.size for g in groups}, dp_size)
     samples = [(g.group_index, len(r.prompt_ids), len(r.response_ids))
                for g in groups if owner[g.group_index] == 0 for r in g.results]

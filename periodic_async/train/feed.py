@@ -16,19 +16,6 @@ import threading
 import torch.distributed as dist
 
 
-def assign_groups(sizes: dict[int, int], dp_size: int) -> dict[int, int]:
-    """group index -> DP rank, balancing the number of samples (groups may differ in K): largest
-    group first to the least-loaded rank (ties: lower group index, lower rank). Deterministic, so
-    every rank computes the same assignment; with equal K it is group i -> rank i mod DP."""
-    load = [0] * dp_size
-    owner = {}
-    for g in sorted(sizes, key=lambda g: (-sizes[g], g)):
-        r = min(range(dp_size), key=lambda r: (load[r], r))
-        owner[g] = r
-        load[r] += sizes[g]
-    return owner
-
-
 class GroupFeed:
     """sizes: {group index: K} of the batch (rank 0; other ranks receive it). groups: rank 0's
     iterator of scored groups in completion order. group: the gloo group for the broadcasts

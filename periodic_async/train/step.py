@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from ..actor.packing import TrainSample
 from ..algo import batch_normaliser
 from ..scheduling.group import Group
-from .feed import GroupFeed, assign_groups
+from ..scheduling.dp_assignment import assign_groups
+from .feed import GroupFeed
 
 
 @dataclass
