@@ -111,11 +111,15 @@ class Backend:
             torch.npu.reset_peak_memory_stats()  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ placement
-    def rollout_placements(self, num_workers: int, trainer_procs: int) -> tuple[list[dict], dict]:
+    def rollout_placements(self, num_workers: int, trainer_procs: int,
+                           share_cores: bool = False) -> tuple[list[dict], dict]:
         """Where each rollout worker and the trainer processes of this node run.
 
-        cpu: the node's cores are split - each worker gets an equal share and the trainer the
-        rest (at least one core each), so inference and training do not compete for cores.
+        cpu: with `share_cores` (and one trainer process), every process may use every core and
+        a `CoreSeat` in each placement ("seat") sets its thread count to the cores divided by the
+        processes busy at that moment: a stage running alone gets all the cores, stages that
+        overlap split them. Otherwise the cores are split - each worker gets an equal share and
+        the trainer the rest (at least one core each).
         cuda/npu: trainer local ranks use devices 0..trainer_procs-1, workers one each of the
         next ones, made the only device the worker sees (CUDA_VISIBLE_DEVICES /
         ASCEND_RT_VISIBLE_DEVICES, set when it is spawned).
@@ -125,6 +129,11 @@ class Backend:
             cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
             if num_workers == 0:
                 return [], {"device": "cpu", "cores": cores}
+            if share_cores and trainer_procs == 1:
+                busy = CoreSeat.new_board(1 + num_workers)
+                seats = [CoreSeat(busy, party, len(cores)) for party in range(1 + num_workers)]
+                workers = [{"device": "cpu", "cores": cores, "seat": seats[1 + w]} for w in range(num_workers)]
+                return workers, {"device": "cpu", "cores": cores, "seat": seats[0]}
             if len(cores) < num_workers + 1:
                 # Oversubscribed (e.g. tests with 2 workers on 2 cores): workers share cores round-robin.
                 import logging
@@ -186,6 +195,8 @@ class Backend:
         if cores:
             os.sched_setaffinity(0, cores)
             torch.set_num_threads(max(1, len(cores) // processes_sharing))
+            if placement.get("seat") is not None:
+                placement["seat"].set_busy(False)   # a restarted worker's predecessor may have died busy
         device = placement.get("device")
         if device and device != "cpu":
             dev = torch.device(device)
@@ -423,3 +434,42 @@ def backend_without_setup(name: str) -> Backend:
     if name not in _BACKENDS:
         raise BackendUnavailable(f"backend '{name}' is unknown; allowed: {', '.join(_BACKENDS)}")
     return _BACKENDS[name]
+
+
+@dataclass
+class CoreSeat:
+    """One process's seat at a CPU node whose cores its processes share (`rollout_placements`
+    with share_cores): the trainer (party 0) and its rollout workers. A process says when it
+    starts and stops computing; while busy it runs `cores // (parties busy now)` threads,
+    re-read at each `refresh()` (a worker's engine step, a trainer's micro-step), so a stage
+    alone gets every core and overlapping stages split them instead of oversubscribing.
+    Only thread counts change: on-policy order and results are the placement's business, not
+    this one's. The board is shared memory, handed to a worker when it is spawned."""
+    board: object         # multiprocessing RawArray of 0/1, one per party
+    party: int
+    cores: int
+    threads: int = 0      # this process's current torch thread count (0: not set yet)
+
+    @staticmethod
+    def new_board(parties: int):
+        import multiprocessing as mp
+        return mp.get_context("spawn").RawArray("b", parties)
+
+    def busy_parties(self) -> int:
+        return sum(self.board[i] for i in range(len(self.board)))
+
+    def set_busy(self, busy: bool) -> None:
+        self.board[self.party] = 1 if busy else 0
+        if busy:
+            self.refresh()
+
+    def refresh(self) -> int:
+        """Match this process's thread count to the parties busy now; returns it."""
+        n = max(1, self.cores // max(1, self.busy_parties()))
+        if n != self.threads:
+            torch.set_num_threads(n)
+            self.threads = n
+        return n
+
+    def __getstate__(self):
+        return {"board": self.board, "party": self.party, "cores": self.cores, "threads": 0}

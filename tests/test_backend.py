@@ -49,6 +49,58 @@ def test_cpu_placement_splits_cores_between_workers_and_trainer(monkeypatch):
     assert [w["cores"] for w in workers] == [[1], [0]] and trainer["cores"] == [0]
 
 
+def test_cpu_placement_shares_cores_with_one_seat_per_process(monkeypatch):
+    b = get_backend("cpu")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
+    workers, trainer = b.rollout_placements(num_workers=2, trainer_procs=1, share_cores=True)
+    assert trainer["cores"] == [0, 1, 2, 3, 4, 5] and all(w["cores"] == [0, 1, 2, 3, 4, 5] for w in workers)
+    seats = [trainer["seat"]] + [w["seat"] for w in workers]
+    assert [s.party for s in seats] == [0, 1, 2] and all(s.board is seats[0].board for s in seats)
+    # two trainer processes on the node cannot share one board (torchrun starts them): split
+    workers, trainer = b.rollout_placements(num_workers=1, trainer_procs=2, share_cores=True)
+    assert "seat" not in trainer and workers[0]["cores"] == [3, 4, 5]
+
+
+def _busy_in_child(seat, started, release):
+    seat.set_busy(True)
+    started.set()
+    release.wait(30)
+    seat.set_busy(False)
+
+
+def test_core_seat_divides_the_cores_among_the_busy_processes_across_processes():
+    """Threads = cores // busy parties, read from shared memory that a spawned process writes: a
+    stage alone gets every core, two busy stages half each, never 0."""
+    import multiprocessing as mp
+    from periodic_async.backend import CoreSeat
+    before = torch.get_num_threads()
+    try:
+        board = CoreSeat.new_board(3)
+        trainer, worker = CoreSeat(board, 0, 6), CoreSeat(board, 1, 6)
+        trainer.set_busy(True)
+        assert trainer.threads == torch.get_num_threads() == 6
+        ctx = mp.get_context("spawn")
+        started, release = ctx.Event(), ctx.Event()
+        child = ctx.Process(target=_busy_in_child, args=(worker, started, release))
+        child.start()
+        assert started.wait(60)
+        assert trainer.refresh() == torch.get_num_threads() == 3
+        board[2] = 1                           # a third process busy: 6 // 3
+        assert trainer.refresh() == 2
+        board[2] = 0
+        release.set()
+        child.join(30)
+        assert child.exitcode == 0
+        assert trainer.refresh() == 6          # the worker said it is idle again
+        assert CoreSeat(CoreSeat.new_board(4), 0, 2).refresh() >= 1
+        b4 = CoreSeat.new_board(4)
+        for i in range(4):
+            b4[i] = 1
+        assert CoreSeat(b4, 0, 2).refresh() == 1   # more busy parties than cores: one thread, not 0
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_device_placement_needs_enough_devices(monkeypatch):
     from periodic_async.backend import _BACKENDS
     cuda = _BACKENDS["cuda"]          # the placement rule only; no CUDA needed

@@ -85,7 +85,7 @@ def test_periodic_with_shuffled_arrival_equals_sync(sync_run, tmp_path):
 
 
 def test_sync_split_equals_sync(sync_run, tmp_path):
-    _, history, params = _run(tmp_path, "sync_split", "rollout.num_workers=1")
+    _, history, params = _run(tmp_path, "sync_split", "rollout.num_workers=1", "rollout.cpu_cores=split")
     _assert_same_training(history, params, *sync_run)
 
 
@@ -164,9 +164,33 @@ def test_stopping_the_run_stops_every_worker(tmp_path, sig):
 
 
 def test_periodic_with_shared_prompt_equals_unshared_sync(sync_run, tmp_path):
-    """Shared-prompt packing composes with periodic asynchrony: same training as unshared sync."""
-    _, history, params = _run(tmp_path, "periodic", "rollout.num_workers=1", "actor.shared_prompt=true")
+    """Shared-prompt packing composes with periodic asynchrony: same training as unshared sync.
+    The worker and the trainer share the cores (rollout.cpu_cores: shared, the default): each
+    batch's last micro-step, which starts once generation is over, runs on every core."""
+    threads = []    # per batch: the torch thread count at each micro-step
+
+    def hook(trainer):
+        forward_backward = trainer.actor.forward_backward
+
+        def recording(stream, n, **kw):
+            mine = []
+            threads.append(mine)
+
+            def tap():
+                for mb in stream:
+                    mine.append(torch.get_num_threads())
+                    yield mb
+            return forward_backward(tap() if not kw.get("use_old") else stream, n, **kw)
+        trainer.actor.forward_backward = recording
+
+    trainer, history, params = _run(tmp_path, "periodic", "rollout.num_workers=1", "actor.shared_prompt=true",
+                                    hook=hook)
     _assert_same_training(history, params, *sync_run)
+    cores = len(os.sched_getaffinity(0))
+    assert trainer.core_seat is not None and len(threads) == STEPS
+    if cores >= 2:
+        assert [batch[-1] for batch in threads] == [cores] * STEPS, threads
+        assert all(1 <= t <= cores for batch in threads for t in batch), threads
 
 
 def test_broadcast_weight_sync_with_a_killed_worker_equals_sync(sync_run, tmp_path):

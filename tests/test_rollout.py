@@ -151,6 +151,21 @@ def test_batched_engine_equals_the_one_sequence_reference(ref_model):
     assert len({r.timings["start"] for r in got}) > 2          # slots were refilled
 
 
+def test_engine_reports_idle_before_it_hands_out_its_last_results(ref_model):
+    """With shared CPU cores (backend.CoreSeat) a worker's idle report is what gives the trainer
+    every core: it must come before the batch's last results leave, or the first micro-step,
+    started on those results, runs on half the cores."""
+    path, tok = ref_model
+    engine = _engine(path, tok, mbs=5)
+    calls = []
+    served = engine.serve(lambda: None, initial=_mixed_requests(tok), on_slots=calls.append)
+    for finished in served:
+        calls.append(("results", len(finished)))
+    last = max(i for i, c in enumerate(calls) if isinstance(c, tuple))
+    assert calls[last - 1] == 0, calls[-6:]
+    assert all(c != 0 for c in calls[:last - 1] if not isinstance(c, tuple)), calls   # busy until then
+
+
 def test_a_response_does_not_depend_on_its_batch_mates(ref_model):
     """The same samples, alone, among short greedy prompts, or among longer prompts arriving later
     (other padding, other batch positions, other admission times): the same tokens and log-probs."""

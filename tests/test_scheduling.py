@@ -67,3 +67,47 @@ def test_scheduling_is_torch_free():
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_trainer_gives_up_shared_cores_while_waiting_and_divides_them_per_micro_step():
+    """train/step.py with a backend.CoreSeat: idle (flag 0) while it waits for a group, busy after;
+    each micro-step runs on cores // (busy processes) threads, read at that micro-step: half the
+    cores while the worker (party 1) still generates, all of them once it is idle."""
+    import torch
+    from periodic_async.backend import CoreSeat
+    from periodic_async.rollout.base import RolloutResult
+    from periodic_async.scheduling.group import Group
+    from periodic_async.train.step import _micro_batches, BatchResult
+
+    board = CoreSeat.new_board(2)
+    seat = CoreSeat(board, 0, 4)
+    worker_busy_at = {0: 1, 1: 1, 2: 0}            # group index -> worker flag when it is handed over
+    flags_while_waiting = []
+
+    class Feed:
+        sizes, n = {0: 2, 1: 2, 2: 2}, 3
+
+        def __init__(self):
+            self.i = 0
+
+        def get(self):
+            flags_while_waiting.append(board[0])
+            g = self.i
+            self.i += 1
+            board[1] = worker_busy_at[g]
+            results = [RolloutResult(g, k, [1, 2], [3], [-0.5], "length", 0) for k in range(2)]
+            return Group(g, [1, 2], "", results, [0.0, 1.0], [-1.0, 1.0])
+
+    class Actor:
+        def pack(self, samples):
+            return len(samples)
+
+    before = torch.get_num_threads()
+    try:
+        threads = [torch.get_num_threads() for _ in _micro_batches(
+            Actor(), Feed(), {0: 0, 1: 0, 2: 0}, 0, lambda g: None, 2, BatchResult({}, []), seat)]
+    finally:
+        torch.set_num_threads(before)
+    assert flags_while_waiting == [0, 0, 0]
+    assert threads == [2, 2, 4]          # a micro-step per group: worker busy, busy, idle
+    assert board[0] == 1                 # busy after the last group (the optimizer step follows)

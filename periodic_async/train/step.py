@@ -36,13 +36,19 @@ def num_micro_batches(sizes: dict[int, int], owner: dict[int, int], dp_rank: int
 
 
 def _micro_batches(actor, feed: GroupFeed, owner: dict[int, int], dp_rank: int, check_group,
-                   micro_batch_size: int, out: BatchResult):
-    """Packed micro-batches of this DP rank's groups, in completion order, as they arrive."""
+                   micro_batch_size: int, out: BatchResult, seat=None):
+    """Packed micro-batches of this DP rank's groups, in completion order, as they arrive.
+    `seat` (backend.CoreSeat, cpu only): cores shared with the rollout workers - given up while
+    waiting for a group, re-divided before each micro-step."""
     pending: list[TrainSample] = []
     remaining = sum(1 for g in owner.values() if g == dp_rank)
     for _ in range(feed.n):
         t0 = time.perf_counter()
+        if seat is not None:
+            seat.set_busy(False)
         g = feed.get()
+        if seat is not None:
+            seat.set_busy(True)
         out.wait_s += time.perf_counter() - t0
         check_group(g)
         out.groups.append(g)
@@ -57,6 +63,8 @@ def _micro_batches(actor, feed: GroupFeed, owner: dict[int, int], dp_rank: int, 
             # last one is closed by train_batch when the schedule returns
             interval = [time.perf_counter(), None]
             out.train_intervals.append(interval)
+            if seat is not None:
+                seat.refresh()
             yield mb
             if interval[1] is None:
                 interval[1] = time.perf_counter()
@@ -69,17 +77,17 @@ def _tee(iterator, keep: list):
         yield item
 
 
-def train_batch(actor, feed: GroupFeed, cfg, dp_rank: int, dp_size: int, check_group) -> BatchResult:
+def train_batch(actor, feed: GroupFeed, cfg, dp_rank: int, dp_size: int, check_group, seat=None) -> BatchResult:
     """Train on one batch: `cfg` the ActorConfig; `check_group(group)` raises on a group that may
     not be trained on (the staleness rule). Every group reaches every rank (feed); this DP rank
-    trains on those `assign_groups` gives it."""
+    trains on those `assign_groups` gives it. `seat`: see _micro_batches."""
     owner = assign_groups(feed.sizes, dp_size)
     n_mb = num_micro_batches(feed.sizes, owner, dp_rank, cfg.micro_batch_size)
     out = BatchResult(metrics={}, groups=[])
     actor.refresh_old()
     # Epoch 1: consume groups as they arrive (old == policy: the old forward is skipped)
     keep = [] if cfg.ppo_epochs > 1 else None
-    stream = _micro_batches(actor, feed, owner, dp_rank, check_group, cfg.micro_batch_size, out)
+    stream = _micro_batches(actor, feed, owner, dp_rank, check_group, cfg.micro_batch_size, out, seat)
     if keep is not None:
         stream = _tee(stream, keep)
     t0 = time.perf_counter()
@@ -96,6 +104,8 @@ def train_batch(actor, feed: GroupFeed, cfg, dp_rank: int, dp_size: int, check_g
                            "than its request?)")
     out.train_s = t_train_end - t0 - out.wait_s
 
+    if seat is not None:
+        seat.set_busy(True)    # the optimizer step (also after a rank whose last group was another's)
     normaliser = batch_normaliser([len(r.response_ids) for g in out.groups for r in g.results], cfg.loss_agg_mode)
     t0 = time.perf_counter()
     epochs = [sums]

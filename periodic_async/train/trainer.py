@@ -83,7 +83,9 @@ class Trainer:
 
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         worker_placements, trainer_placement = self.backend.rollout_placements(
-            cfg.rollout.num_workers if cfg.trainer.mode != "sync" else 0, local_world)
+            cfg.rollout.num_workers if cfg.trainer.mode != "sync" else 0, local_world,
+            share_cores=cfg.rollout.cpu_cores == "shared" and cfg.rollout.engine == "hf")
+        self.core_seat = trainer_placement.get("seat")     # cpu, shared cores: see backend.CoreSeat
         self.device = self.backend.trainer_device(trainer_placement, self.local_rank, local_world)
 
         from ..models.tokenizer import load_tokenizer
@@ -257,7 +259,8 @@ class Trainer:
             self.producer.start(plan)
             sizes, groups = plan.group_sizes, self.producer.groups()
         feed = GroupFeed(sizes, groups, self.feed_group)
-        batch = train_batch(self.actor, feed, cfg.actor, self.dp_rank, self.dp_size, self._check_group)
+        batch = train_batch(self.actor, feed, cfg.actor, self.dp_rank, self.dp_size, self._check_group,
+                            seat=self.core_seat)
         t_batch_end = time.perf_counter()
         metrics = dict(batch.metrics)
         metrics["timing_s/update_actor"] = batch.train_s
