@@ -1,4 +1,5 @@
-"""Benchmark the training modes side by side: colocated sync, same-split sync, periodic.
+"""Benchmark the training modes side by side: colocated sync, same-split sync, periodic (on CPU
+with its worker sharing the trainer's cores, the default, and on split cores).
 
     python tools/bench_modes.py [--config configs/default.yaml] [--steps 14] [--warmup 4]
                                 [--repeats 3] [--png docs/timeline_modes.png] [key=value ...]
@@ -7,8 +8,9 @@ Each run is a fresh `python -m periodic_async` process; the modes alternate with
 that machine noise hits them alike. For each mode it prints tokens/s (whole job, steps after the
 warm-up), the stage times, and the ratios, next to the theoretical bound of overlapping
 generation with training, (T_gen + T_train) / max(T_gen, T_train), from the same-split sync
-run's stage times. It also draws a timeline PNG (one row per worker slot and one for the trainer:
-generate / train micro-step / weight update) for sync_split and periodic.
+run's stage times (for the split-core variants). It also draws a timeline PNG (one row per worker
+slot and one for the trainer: generate / train micro-step / weight update) for sync_split,
+periodic_split and periodic.
 """
 from __future__ import annotations
 
@@ -20,12 +22,20 @@ import subprocess
 import sys
 import tempfile
 
-MODES = ["sync", "sync_split", "periodic"]
+# name: (trainer.mode, overrides). On CPU the split modes' workers share the trainer's cores by
+# default (rollout.cpu_cores: shared); `_split` variants give each stage its own cores, the
+# setting under which (T_gen + T_train) / max(T_gen, T_train) bounds what overlap can gain.
+VARIANTS = {"sync": ("sync", []),
+            "sync_split": ("sync_split", ["rollout.cpu_cores=split"]),
+            "periodic_split": ("periodic", ["rollout.cpu_cores=split"]),
+            "periodic": ("periodic", [])}
+MODES = list(VARIANTS)
 MAX_SLOT_LANES = 16
 
 
-def run_once(config: str, mode: str, steps: int, run_dir: str, overrides: list[str]) -> list[dict]:
-    cmd = [sys.executable, "-m", "periodic_async", "--config", config, f"trainer.mode={mode}",
+def run_once(config: str, variant: str, steps: int, run_dir: str, overrides: list[str]) -> list[dict]:
+    mode, extra = VARIANTS[variant]
+    cmd = [sys.executable, "-m", "periodic_async", "--config", config, f"trainer.mode={mode}", *extra,
            f"trainer.total_steps={steps}", f"trainer.run_dir={run_dir}", "trainer.progress_bar=false",
            "trainer.save_final=false", "trainer.record_timeline=true", "trainer.tensorboard=false", *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -107,7 +117,7 @@ def main() -> None:
     # Ratios are taken within each repeat (runs next to each other in time see the same machine
     # speed), then the median over repeats: this machine's speed drifts by tens of percent.
     bounds = [(s["gen_s"] + s["train_s"]) / max(s["gen_s"], s["train_s"]) for s in results["sync_split"]]
-    r_split = [p["tokens_per_s"] / s["tokens_per_s"] for p, s in zip(results["periodic"], results["sync_split"])]
+    r_split = [p["tokens_per_s"] / s["tokens_per_s"] for p, s in zip(results["periodic_split"], results["sync_split"])]
     r_coloc = [p["tokens_per_s"] / s["tokens_per_s"] for p, s in zip(results["periodic"], results["sync"])]
     of_bound = [r / b for r, b in zip(r_split, bounds)]
     bound, ratio_split, ratio_coloc = map(statistics.median, (bounds, r_split, r_coloc))
@@ -119,13 +129,16 @@ def main() -> None:
         x = med[m]
         print(f"| {m} | {x['tokens_per_s']:.0f} | {x['step_s']:.3f} | {x['gen_s']:.3f} | {x['train_s']:.3f} | "
               f"{x['sync_s']:.4f} | {x['trainer_idle']:.2f} | {x['rollouter_idle']:.2f} | {x['overlap']:.2f} |")
-    print(f"\nper repeat: periodic / sync_split = {', '.join(f'{x:.3f}' for x in r_split)}; "
+    print(f"\nper repeat: periodic_split / sync_split = {', '.join(f'{x:.3f}' for x in r_split)}; "
           f"bound = {', '.join(f'{x:.3f}' for x in bounds)}; of bound = {', '.join(f'{x:.0%}' for x in of_bound)}")
-    print(f"median: periodic / sync_split = {ratio_split:.3f}   theoretical bound (T_gen + T_train) / max = {bound:.3f}"
+    print(f"median: periodic_split / sync_split = {ratio_split:.3f}   theoretical bound (T_gen + T_train) / max = {bound:.3f}"
           f"   -> {statistics.median(of_bound):.1%} of the bound (target >= 85%)")
-    print(f"median: periodic / colocated sync = {ratio_coloc:.3f}")
+    r_split_coloc = [p["tokens_per_s"] / s["tokens_per_s"] for p, s in zip(results["periodic_split"], results["sync"])]
+    print(f"median: periodic (shared cores, the default) / colocated sync = {ratio_coloc:.3f} "
+          f"(per repeat {', '.join(f'{x:.3f}' for x in r_coloc)}); periodic_split / colocated sync = "
+          f"{statistics.median(r_split_coloc):.3f}")
     last = args.repeats - 1
-    draw_timeline({m: os.path.join(tmp, f"{m}_{last}") for m in ("sync_split", "periodic")},
+    draw_timeline({m: os.path.join(tmp, f"{m}_{last}") for m in ("sync_split", "periodic_split", "periodic")},
                   (args.steps - 2, args.steps - 1), args.png)
     print(f"timeline: {args.png}   runs: {tmp}")
 

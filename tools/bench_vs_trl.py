@@ -184,6 +184,8 @@ def main():
     p.add_argument("--micro-batch", type=int, default=16, help="completions per forward/backward, both sides")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--write-docs", default=None, help="put the table into this markdown file (docs/performance.md), "
+                   "between markers named after the setups")
     p.add_argument("--keep-runs", default=None, help="keep every side's run directory under this one "
                    "(for tools/profile_run.py)")
     p.add_argument("--no-trl", action="store_true", help="the project's modes only")
@@ -254,6 +256,12 @@ def main():
     header = (f"bench_vs_trl {stamp}: steps {a.steps}, warm-up {a.warmup}, repeats {a.repeats}, micro-batch "
               f"{a.micro_batch}, {a.threads} threads; tokens = 64 x (prompt + 64) per step")
     print("\n" + header + "\n\n" + table + "\n")
+    if a.write_docs:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from docblock import replace_block
+        command = "python tools/bench_vs_trl.py " + " ".join(sys.argv[1:])
+        replace_block(a.write_docs, f"bench-vs-trl-{'-'.join(a.setups.split(','))}",
+                      [f"Command: `{command}`", "", header, "", table])
     if a.table:
         with open(a.table, "w") as f:
             f.write(header + "\n\n" + table + "\n")

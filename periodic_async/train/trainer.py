@@ -295,8 +295,12 @@ class Trainer:
         return metrics
 
     def _num_devices(self) -> int:
-        """Trainer ranks plus rollout workers: throughput is per device of the whole job."""
-        return self.world + (self._num_engines() if self.cfg.trainer.mode != "sync" else 0)
+        """Trainer ranks plus rollout workers: throughput is per device of the whole job. Local
+        workers sharing the trainer's CPU cores (backend.CoreSeat) add no device."""
+        if self.cfg.trainer.mode == "sync":
+            return self.world
+        local = 0 if self.core_seat is not None else self.cfg.rollout.num_workers
+        return self.world + local + self.cfg.rollout.remote_workers
 
     def _num_engines(self) -> int:
         """Rollout engines: the trainer's own in sync mode, else the local and remote workers."""
