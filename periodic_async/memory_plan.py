@@ -236,16 +236,27 @@ def model_state_bytes(arch: "ModelArch", cfg: Config, stage: int = 0, with_old: 
 # ---------------------------------------------------------------------- the plan
 
 
+def group_sizes(cfg: Config) -> tuple[int, ...]:
+    """Every K a batch can have: rollout.n, or under rollout.group_sizing: sagc every candidate
+    (the controller may reach any of them)."""
+    if cfg.rollout.group_sizing == "sagc":
+        return tuple(cfg.rollout.sagc.candidates)
+    return (cfg.rollout.n,)
+
+
 def micro_batch_tokens(cfg: Config) -> tuple[int, int, int]:
     """(tokens through the model, sequences of S tokens for the attention term (0 with shared-prompt
     packing: fused attention), rows the loss's fp32 log-softmax runs over) of one micro-batch at the
     configured maximum lengths. Shared-prompt packing computes each prompt once: a micro-batch of B
     responses spans ceil(B/K) groups (one more when its boundary cuts groups)."""
-    b, p, r, k = cfg.actor.micro_batch_size, cfg.data.max_prompt_length, cfg.rollout.max_new_tokens, cfg.rollout.n
+    b, p, r = cfg.actor.micro_batch_size, cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
     if not cfg.actor.shared_prompt:
         return b * (p + r), b, b * (p + r)
-    groups = math.ceil(b / k) if (b % k == 0 or k % b == 0) else min(b, math.ceil(b / k) + 1)
-    return groups * p + b * r, 0, b * r
+
+    def groups(k):
+        return math.ceil(b / k) if (b % k == 0 or k % b == 0) else min(b, math.ceil(b / k) + 1)
+    most = max(groups(k) for k in group_sizes(cfg))      # the smallest K puts the most prompts in
+    return most * p + b * r, 0, b * r
 
 
 def _trainer_items(arch: "ModelArch", cfg: Config, stage: int, dp: int) -> list[Item]:
@@ -271,7 +282,7 @@ def _trainer_items(arch: "ModelArch", cfg: Config, stage: int, dp: int) -> list[
     h, ffn = arch.hidden_size, arch.ffn_hidden_size
     qd, kvd = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     tokens, seqs, loss_rows = micro_batch_tokens(cfg)
-    n_micro = math.ceil(cfg.data.train_batch_size * cfg.rollout.n / dp / a.micro_batch_size)
+    n_micro = math.ceil(cfg.data.train_batch_size * max(group_sizes(cfg)) / dp / a.micro_batch_size)
     in_flight = min(pp - stage, n_micro)      # 1F1B: stage s holds pp - s micro-batches' activations
     layers = arch.num_layers // pp
     # kept for backward per token and layer (Korthikanti et al. 2022, no recompute, no sequence

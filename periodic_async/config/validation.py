@@ -106,6 +106,10 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
     _positive("rollout.n", cfg.rollout.n)
     if cfg.rollout.n < 2:
         raise ConfigError(f"rollout.n: group size must be >= 2 for group-normalised advantages, got {cfg.rollout.n}")
+    _choice("rollout.group_sizing", cfg.rollout.group_sizing, ("fixed", "sagc"))
+    if cfg.rollout.group_sizing == "sagc":
+        from periodic_async.scheduling.group_sizing import validate_sagc  # torch-free
+        validate_sagc(cfg.rollout.sagc, cfg.rollout.n)
     for key in ("data.train_batch_size", "data.max_prompt_length", "rollout.max_new_tokens",
                 "rollout.max_slots", "rollout.queue_size", "actor.micro_batch_size", "trainer.total_steps",
                 "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size"):

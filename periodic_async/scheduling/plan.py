@@ -7,7 +7,7 @@ from typing import Callable
 
 from ..data.records import DatasetError
 from ..rollout.base import RolloutRequest, SamplingParams
-from .group_sizing import FixedGroupSize
+from .group_sizing import FixedGroupSize, prompt_key
 
 
 def request_seed(base_seed: int, step: int, group_index: int) -> int:
@@ -67,6 +67,9 @@ class BatchPlanner:
             skipped_in_a_row = 0
             records.append(rec)
             prompts.append(ids)
+        begin_step = getattr(self.group_sizer, "begin_step", None)
+        if begin_step is not None:      # a sizer that picks one K per step sees the batch's prompts first
+            begin_step(step, [prompt_key(ids) for ids in prompts])
         requests = []
         for i, (rec, ids) in enumerate(zip(records, prompts)):
             k = int(self.group_sizer.group_size(step, i))

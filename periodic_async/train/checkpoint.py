@@ -4,12 +4,13 @@ A checkpoint is taken after a step's weight sync, where the run's whole state is
 consistent: no generation is in flight, the old model equals the policy, the rollout workers hold
 policy version `step`. It holds, per rank, the actor's shard (policy weights, fp32 main weights,
 AdamW state) and the RNG states; and, once, the step, the policy version, the data loader's
-position and the non-finite counter. The reference model is its checkpoint directory's, the
-rollout seeds are a function of (seed, step, prompt) (scheduling/plan.py), and the workers are
-started from the saved policy, so a resumed run repeats the interrupted run's later steps.
+position, the group sizer's state (rollout.group_sizing: sagc) and the non-finite counter. The
+reference model is its checkpoint directory's, the rollout seeds are a function of (seed, step,
+prompt) (scheduling/plan.py), and the workers are started from the saved policy, so a resumed run
+repeats the interrupted run's later steps.
 
 Layout (run_dir/checkpoints/):
-    step_000010/meta.json          step, version, loader state, layout, config
+    step_000010/meta.json          step, version, loader and group-sizer state, layout, config
     step_000010/dist/              the actor (policy weights, fp32 main weights, AdamW moments) in
                                    Megatron-core's distributed checkpoint format (torch_dist)
     step_000010/rank_00000.pt      rank 0's RNG states

@@ -112,6 +112,8 @@ class Trainer:
             self.planner = self._build_planner()
             if meta is not None:
                 self.planner.loader.load_state_dict(meta["loader"])
+                if meta.get("group_sizer") is not None and hasattr(self.planner.group_sizer, "load_state_dict"):
+                    self.planner.group_sizer.load_state_dict(meta["group_sizer"])
             self.producer = self._build_producer(worker_placements, initial)
             if cfg.trainer.record_timeline:
                 self.timeline.watch_scorer(self.producer.scorer)
@@ -162,8 +164,10 @@ class Trainer:
     def save_checkpoint(self, step: int) -> str:
         """A checkpoint of the state after `step` (collective: every rank calls it)."""
         from .checkpoint import save_checkpoint
+        sizer = self.planner.group_sizer if self.planner is not None else None
         meta = {"version": self.version, "layout": self._layout(), "nonfinite_in_a_row": self.nonfinite_in_a_row,
                 "loader": self.planner.loader.state_dict() if self.planner is not None else None,
+                "group_sizer": sizer.state_dict() if hasattr(sizer, "state_dict") else None,
                 "config": config_to_dict(self.cfg)}
         return save_checkpoint(self.cfg.trainer.run_dir, step, self.rank, self.world,
                                self.actor.sharded_state_dict(), meta, self.cfg.trainer.keep_checkpoints)
@@ -210,7 +214,9 @@ class Trainer:
         stops = (self.eos_id,) if self.eos_id is not None and not cfg.rollout.ignore_eos else ()
         sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k,
                                   cfg.rollout.max_new_tokens, stops, ignore_eos=cfg.rollout.ignore_eos)
-        return BatchPlanner(loader, self._tokenize_prompt, sampling, cfg.trainer.seed, default_n=cfg.rollout.n)
+        from ..scheduling.group_sizing import build_group_sizer
+        return BatchPlanner(loader, self._tokenize_prompt, sampling, cfg.trainer.seed,
+                            group_sizer=build_group_sizer(cfg.rollout), default_n=cfg.rollout.n)
 
     def _build_producer(self, placements, initial):
         """initial: the policy's HF-layout (name, tensor) stream (version 0) for the workers; the
@@ -275,6 +281,11 @@ class Trainer:
         if self.rank == 0:
             stats = self.producer.stats
             metrics.update(prompt_counts)
+            observe = getattr(self.planner.group_sizer, "observe", None)
+            if observe is not None:     # an adaptive sizer (rollout.group_sizing: sagc) learns from the lengths
+                from ..scheduling.group_sizing import prompt_key
+                metrics.update(observe(step, [[len(r.response_ids) for r in g.results] for g in batch.groups],
+                                       [prompt_key(g.prompt_ids) for g in batch.groups]))
             metrics.update(step_metrics.rollout_metrics(
                 batch.groups, stats, step_s, num_engines=self._num_engines(),
                 restarts=getattr(getattr(self.producer, "pool", None), "restarts", 0)))
