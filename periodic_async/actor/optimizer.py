@@ -64,8 +64,21 @@ class MixedPrecisionAdamW:
         return [self.grad_of(p) for p in self.model_params]
 
     @torch.no_grad()
-    def step(self) -> None:
-        self.inner.step()
+    def step(self, lr_scale: float = 1.0) -> None:
+        """One AdamW step; lr_scale != 1: this step runs at lr * lr_scale in every param group
+        (VCPO's ESS-scaled step) and the groups' lr are restored afterwards, so a schedule that
+        sets them stays in charge."""
+        if lr_scale != 1.0:
+            saved = [group["lr"] for group in self.inner.param_groups]
+            for group, lr in zip(self.inner.param_groups, saved):
+                group["lr"] = lr * lr_scale
+            try:
+                self.inner.step()
+            finally:
+                for group, lr in zip(self.inner.param_groups, saved):
+                    group["lr"] = lr
+        else:
+            self.inner.step()
         for p in self.model_params:
             main = self._main.get(id(p))
             if main is not None:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..algo import LossInputs, PolicyLoss, build_policy_loss
+from ..algo.variance_control import lr_scale
 from ..backend import active_backend
 from ..config import ActorConfig
 from ..models.convert import export_hf_weights, load_hf_checkpoint
@@ -148,6 +149,7 @@ class TriModelActor:
         self.pp = ps.get_pipeline_model_parallel_world_size()
         # AdamW; with a bf16 / fp16 policy on fp32 main weights (actor/optimizer.py)
         self.optimizer = build_optimizer(self.policy.parameters(), cfg)
+        self._lr_scale = 1.0     # the next optimizer step's lr multiplier (actor.vcpo_lr_scale)
 
     # ------------------------------------------------------------------ frozen-model residency
     def _offload(self, model) -> None:
@@ -297,12 +299,14 @@ class TriModelActor:
         objective that no micro-batch reported is left out."""
         from megatron.core import parallel_state as ps
         keys = self.objective.metric_keys
+        max_keys = getattr(self.objective, "max_metric_keys", ())    # reduced by max, after the diff max
         n = len(keys)
         # [sum of each key, how many micro-batches reported it, diff sum, diff count], summed here
         # in Python floats and reduced as one fp32 tensor on the device: legal on NCCL and HCCL
         # (no CPU tensors, no float64 there)
         sums = [0.0] * (2 * n + 2)
         mx = 0.0
+        maxes = [-math.inf] * len(max_keys)
         for m in store:
             for i, k in enumerate(keys):
                 if k in m:
@@ -312,15 +316,29 @@ class TriModelActor:
                 sums[-2] += float(m["diff_sum"])
                 sums[-1] += float(m["diff_count"])
                 mx = max(mx, float(m["diff_max"]))
+            for j, k in enumerate(max_keys):
+                if k in m:
+                    maxes[j] = max(maxes[j], float(m[k]))
         if dist.is_initialized() and dist.get_world_size() > 1:
-            t = torch.tensor(sums + [mx], dtype=torch.float32, device=self.device)
-            dist.all_reduce(t[:-1])
-            dist.all_reduce(t[-1:], op=dist.ReduceOp.MAX)
-            sums, mx = (t[:-1] / ps.get_tensor_model_parallel_world_size()).tolist(), float(t[-1])
+            t = torch.tensor(sums + [mx] + maxes, dtype=torch.float32, device=self.device)
+            dist.all_reduce(t[:len(sums)])
+            dist.all_reduce(t[len(sums):], op=dist.ReduceOp.MAX)
+            reduced = t.tolist()
+            sums = (t[:len(sums)] / ps.get_tensor_model_parallel_world_size()).tolist()
+            mx, maxes = float(reduced[len(sums)]), reduced[len(sums) + 1:]
         out = {k: sums[i] for i, k in enumerate(keys) if sums[n + i] > 0}
         if sums[-1] > 0:
             out["training/rollout_probs_diff_mean"] = float(sums[-2] / sums[-1])
             out["training/rollout_probs_diff_max"] = float(mx)
+        if max_keys:
+            out.update({k: v for k, v in zip(max_keys, maxes) if v > -math.inf})
+        finalize = getattr(self.objective, "finalize_metrics", None)
+        if finalize is not None:
+            out = finalize(out)
+        if getattr(self.cfg, "vcpo_lr_scale", False):
+            # VCPO: the next optimizer step's learning rate is scaled by this batch's ESS / N
+            self._lr_scale = lr_scale(out.get("vcpo/ess_ratio", 1.0), self.cfg.vcpo_lr_scale_min)
+            out["vcpo/lr_scale"] = self._lr_scale
         return out
 
     @torch.no_grad()
@@ -400,8 +418,12 @@ class TriModelActor:
         # update on every rank alike; the trainer counts such steps
         finite = math.isfinite(grad_norm)
         if finite:
-            self.optimizer.step()
+            if self._lr_scale != 1.0:
+                self.optimizer.step(lr_scale=self._lr_scale)    # VCPO (actor.vcpo_lr_scale): this step only
+            else:
+                self.optimizer.step()
             self.old_is_current = False
+        self._lr_scale = 1.0
         self.optimizer.zero_grad()
         return {"actor/grad_norm": grad_norm, "actor/lr": self.optimizer.lr,
                 "actor/step_skipped": 0.0 if finite else 1.0}

@@ -1,16 +1,21 @@
 """RL algorithms, chosen by name from the config (verl's registries):
 
-- advantage estimators (`algo.adv_estimator`): advantages.py - "grpo", "rloo";
-- policy losses (`actor.policy_loss`): losses.py - "grpo" (PPO-clip + KL to the reference + entropy).
+- advantage estimators (`algo.adv_estimator`): advantages.py - "grpo", "rloo",
+  "vcpo_baseline" (VCPO's importance-weighted baseline);
+- policy losses (`actor.policy_loss`): losses.py - "grpo" (PPO-clip + KL to the reference + entropy),
+  "decoupled_ppo" (AReaL: PPO-clip on the proximal policy, weighted by pi_prox / pi_behav);
+- variance control for off-policy batches (ESS, learning-rate scale, baseline): variance_control.py.
 
 The actor (periodic_async/actor) calls the loss it was built with inside its micro-step and knows
 nothing of GRPO; the scorer (periodic_async/scheduling) calls the estimator on each scored group.
 Register a new one with `@register_adv_estimator("name")` / `@register_policy_loss("name")`.
 """
+from . import variance_control
 from .advantages import ADV_ESTIMATORS, compute_advantages, register_adv_estimator
 
 _LOSSES = ("POLICY_LOSSES", "LossInputs", "PolicyLoss", "aggregate", "batch_normaliser", "build_policy_loss",
-           "clipped_pg_loss", "kl_penalty", "register_policy_loss")
+           "clipped_pg_loss", "kl_penalty", "register_policy_loss", "behaviour_weights", "cap_behaviour_weights",
+           "sequence_importance_ratios")
 
 
 def __getattr__(name):
@@ -25,4 +30,5 @@ def __getattr__(name):
 
 __all__ = ["ADV_ESTIMATORS", "compute_advantages", "register_adv_estimator", "POLICY_LOSSES", "LossInputs",
            "PolicyLoss", "aggregate", "batch_normaliser", "build_policy_loss", "clipped_pg_loss", "kl_penalty",
-           "register_policy_loss"]
+           "register_policy_loss", "behaviour_weights", "cap_behaviour_weights", "sequence_importance_ratios",
+           "variance_control"]

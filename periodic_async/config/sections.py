@@ -42,6 +42,9 @@ class SyntheticTaskConfig:
     task: str = "next_digit"    # see periodic_async/data/synthetic.py
     num_digits: int = 4
     size: int = 4096
+    # long_tail only: answer lengths n in 1..long_tail_max, P(n) proportional to n ** -long_tail_alpha
+    long_tail_max: int = 40
+    long_tail_alpha: float = 1.5
 
 
 @dataclass
@@ -154,8 +157,17 @@ class AlgoConfig:
 
 @dataclass
 class ActorConfig:
-    # The objective: a name in periodic_async.algo.POLICY_LOSSES (grpo: PPO-clip + KL + entropy).
+    # The objective: a name in periodic_async.algo.POLICY_LOSSES (grpo: PPO-clip + KL + entropy;
+    # decoupled_ppo: AReaL's PPO-clip on the proximal policy, weighted by pi_prox / pi_behav).
     policy_loss: str = "grpo"
+    # decoupled_ppo only: tokens whose pi_prox / pi_behav exceeds this are masked out of the policy
+    # gradient (AReaL's behav_imp_weight_cap; > 1). None: no cap.
+    behav_imp_weight_cap: Optional[float] = None
+    # VCPO: scale each optimizer step's lr by the batch's ESS / N of the sequence-level ratios
+    # pi_prox / pi_behav (needs a policy loss that reports them: decoupled_ppo), floored at
+    # vcpo_lr_scale_min (in [0, 1]).
+    vcpo_lr_scale: bool = False
+    vcpo_lr_scale_min: float = 0.0
     lr: float = 1.0e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)

@@ -19,6 +19,13 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
     _choice("backend", cfg.backend, ("cpu", "cuda", "npu"))
     _choice("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16"))
     _choice("data.source", cfg.data.source, ("synthetic", "gsm8k", "jsonl", "parquet", "hf"))
+    if cfg.data.source == "synthetic":
+        from periodic_async.data.synthetic import TASKS  # numpy only
+        _choice("data.synthetic.task", cfg.data.synthetic.task, TASKS)
+        if cfg.data.synthetic.task == "long_tail":
+            _positive("data.synthetic.long_tail_max", cfg.data.synthetic.long_tail_max)
+            if not cfg.data.synthetic.long_tail_alpha >= 0:
+                raise ConfigError(f"data.synthetic.long_tail_alpha: must be >= 0, got {cfg.data.synthetic.long_tail_alpha}")
     _choice("data.chat_template", cfg.data.chat_template, ("auto", "none"))
     _choice("data.overlong_prompt", cfg.data.overlong_prompt, ("error", "skip", "truncate_left"))
     check_prompt_template(cfg.data.prompt_template)
@@ -48,6 +55,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
     if not cfg.algo.adv_eps > 0:
         raise ConfigError(f"algo.adv_eps: must be > 0, got {cfg.algo.adv_eps}")
     _choice("actor.policy_loss", cfg.actor.policy_loss, tuple(sorted(POLICY_LOSSES)))
+    check_off_policy_keys(cfg.actor, POLICY_LOSSES)
     _choice("actor.kl_type", cfg.actor.kl_type, ("low_var_kl", "kl", "mse"))
     _choice("actor.loss_agg_mode", cfg.actor.loss_agg_mode, ("token-mean", "seq-mean-token-mean"))
     _choice("reward.name", cfg.reward.name, ("synthetic", "gsm8k", "custom"))
@@ -179,6 +187,22 @@ def check_prompt_template(template: Optional[str]) -> None:
     if fields != {"prompt"}:
         raise ConfigError(f"data.prompt_template: {template!r} must contain {{prompt}} (where the record's "
                           f"prompt goes) and no other field; write literal braces as {{{{ }}}}")
+
+
+def check_off_policy_keys(actor: Any, policy_losses: dict) -> None:
+    """The decoupled-PPO / VCPO keys of the actor section (off by default)."""
+    cap = actor.behav_imp_weight_cap
+    if cap is not None:
+        if not cap > 1.0:
+            raise ConfigError(f"actor.behav_imp_weight_cap: must be > 1 (or null for no cap), got {cap}")
+        if actor.policy_loss != "decoupled_ppo":
+            raise ConfigError(f"actor.behav_imp_weight_cap: only used by actor.policy_loss 'decoupled_ppo', "
+                              f"got '{actor.policy_loss}'")
+    if not 0.0 <= actor.vcpo_lr_scale_min <= 1.0:
+        raise ConfigError(f"actor.vcpo_lr_scale_min: must be in [0, 1], got {actor.vcpo_lr_scale_min}")
+    if actor.vcpo_lr_scale and "vcpo/rho_sum" not in getattr(policy_losses.get(actor.policy_loss), "metric_keys", ()):
+        raise ConfigError(f"actor.vcpo_lr_scale: needs a policy loss that reports the importance ratios' ESS "
+                          f"(decoupled_ppo), got actor.policy_loss '{actor.policy_loss}'")
 
 
 def _get(cfg: Any, dotted: str) -> Any:

@@ -7,9 +7,17 @@ simple function of ONE visible prompt token:
 - next_digit: prompt "4719=" -> answer "0" (the last digit plus one, mod 10).
 - copy_last:  prompt "4719=" -> answer "9".
 - sum_mod10:  prompt "4719=" -> answer "1" ((4+7+1+9) mod 10; harder, for longer runs).
+- long_tail:  prompt "7:***=" -> answer "777" (the digit, once per star). Long-tailed answer
+  lengths, for benchmarks where response lengths matter (stragglers, pilot selection): the star
+  count n is drawn from a truncated power law, P(n) ~ n ** -long_tail_alpha on 1..long_tail_max
+  (defaults 1.5 and 40: p50 2, p90 ~13, p99 ~35 tokens, mean ~5; `long_tail_length_pmf`). The
+  digit is easy (the prompt's only digit, then repeat the last token); stopping after exactly n
+  digits means comparing two counts, which is easy for n = 1, 2 and hard for n = 30, so per-prompt
+  success rates spread out and a policy that has not learnt to stop runs long. num_digits is not
+  used; prompts are n + 3 characters long, so data.max_prompt_length must be >= long_tail_max + 3.
 
 Rewards (reward/synthetic.py) give partial credit for a digit, so the format is
-learnt first and the mapping after it.
+learnt first and the mapping after it (long_tail: also for the share of the answer matched).
 """
 from __future__ import annotations
 
@@ -18,10 +26,13 @@ import numpy as np
 from ..config import SyntheticTaskConfig
 from .records import PromptRecord
 
-TASKS = ("next_digit", "copy_last", "sum_mod10")
+TASKS = ("next_digit", "copy_last", "sum_mod10", "long_tail")
 
 
 def answer_for(task: str, digits: str) -> str:
+    """The answer to the prompt `digits` + "=" (long_tail: `digits` is the prompt body, "7:***")."""
+    if task == "long_tail":
+        return digits[0] * digits.count("*")
     if task == "next_digit":
         return str((int(digits[-1]) + 1) % 10)
     if task == "copy_last":
@@ -31,12 +42,37 @@ def answer_for(task: str, digits: str) -> str:
     raise ValueError(f"data.synthetic.task: unknown '{task}'; allowed: {', '.join(TASKS)}")
 
 
+def long_tail_length_pmf(max_len: int, alpha: float) -> tuple[np.ndarray, np.ndarray]:
+    """The long_tail task's answer lengths 1..max_len and their probabilities, P(n) ~ n ** -alpha."""
+    if max_len < 1 or not alpha >= 0:
+        raise ValueError(f"data.synthetic: long_tail_max must be >= 1 and long_tail_alpha >= 0, "
+                         f"got {max_len} and {alpha}")
+    lengths = np.arange(1, max_len + 1)
+    weights = lengths.astype(np.float64) ** -float(alpha)
+    return lengths, weights / weights.sum()
+
+
+def _long_tail_records(cfg: SyntheticTaskConfig, seed: int) -> list[PromptRecord]:
+    lengths, probs = long_tail_length_pmf(cfg.long_tail_max, cfg.long_tail_alpha)
+    rng = np.random.default_rng(seed)
+    digits = rng.integers(0, 10, size=cfg.size)
+    counts = rng.choice(lengths, size=cfg.size, p=probs)
+    records = []
+    for i, (d, n) in enumerate(zip(digits, counts)):
+        body = f"{d}:" + "*" * int(n)
+        records.append(PromptRecord(prompt=body + "=", answer=answer_for("long_tail", body), index=i))
+    return records
+
+
 def make_records(cfg: SyntheticTaskConfig, seed: int):
-    """`cfg.size` prompts of `cfg.num_digits` random digits each, deterministic in `seed`."""
+    """`cfg.size` prompts of `cfg.num_digits` random digits each (long_tail: one digit and its
+    star count), deterministic in `seed`."""
     if cfg.task not in TASKS:
         raise ValueError(f"data.synthetic.task: unknown '{cfg.task}'; allowed: {', '.join(TASKS)}")
     if cfg.num_digits < 1 or cfg.size < 1:
         raise ValueError("data.synthetic: num_digits and size must be >= 1")
+    if cfg.task == "long_tail":
+        return _long_tail_records(cfg, seed)
     rng = np.random.default_rng(seed)
     digits = rng.integers(0, 10, size=(cfg.size, cfg.num_digits))
     records = []
