@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if dist.is_initialized():   # leave the rendezvous cleanly (torchrun waits for every rank)
         dist.destroy_process_group()
     if history and int(os.environ.get("RANK", "0")) == 0:
-        first, last = history[0]["critic/score/mean"], history[-1]["critic/score/mean"]
+        first, last = (h.get("critic/score/mean", float("nan")) for h in (history[0], history[-1]))
         print(f"done: {len(history)} steps, score {first:.3f} -> {last:.3f}, metrics in "
               f"{os.path.join(cfg.trainer.run_dir, 'metrics.jsonl')}", flush=True)
     return 0

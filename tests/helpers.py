@@ -269,18 +269,18 @@ def tri_model_quantities(model_dir: str, ref_dir: str | None = None, shared_prom
 
 def kill_worker_hook(killed: dict, at_version: int, worker: int = 0):
     """A Trainer hook that SIGKILLs rollout worker `worker` once, in the step trained at policy
-    version `at_version`, right after the first complete group is scored (the worker still has
+    version `at_version`, right after the first complete request is rewarded (the worker still has
     work). `killed` receives the pid."""
     def hook(trainer):
         producer = trainer.producer
-        score = producer.scorer.score
+        score = producer.scorer.rewards
 
         def killing_score(groups, stats):
             if trainer.version == at_version and not killed:
                 killed["pid"] = producer.pool.pids()[worker]
                 producer.pool.kill_worker(worker)
             return score(groups, stats)
-        producer.scorer.score = killing_score
+        producer.scorer.rewards = killing_score
     return hook
 
 

@@ -96,7 +96,9 @@ def test_worker_killed_mid_batch_is_restarted_and_nothing_is_lost(sync_run, tmp_
                                     "rollout.arrival_jitter_s=0.02", "rollout.worker_timeout_s=30", hook=hook)
     assert killed, "the hook never ran"
     _assert_same_training(history, params, *sync_run)
-    assert history[1]["rollouter/restarts"] >= 1
+    # one restart: the replacement, started while the batch's producer thread ran, outlives that
+    # thread (PR_SET_PDEATHSIG fires on the parent thread's exit) and takes the next weight update
+    assert history[1]["rollouter/restarts"] == history[-1]["rollouter/restarts"] == 1
     assert not _alive(killed["pid"])
 
 
@@ -209,7 +211,7 @@ def test_broadcast_weight_sync_with_a_killed_worker_equals_sync(sync_run, tmp_pa
                                     "rollout.arrival_jitter_s=0.02", "rollout.worker_timeout_s=30", hook=hook)
     assert killed, "the hook never ran"
     _assert_same_training(history, params, *sync_run)
-    assert history[2]["rollouter/restarts"] >= 1
+    assert history[2]["rollouter/restarts"] == 1
 
 
 # ---------------------------------------------------------------------- K per group
@@ -275,7 +277,7 @@ def test_rollout_node_killed_mid_batch_equals_sync(sync_run, tmp_path, monkeypat
     def hook(trainer):
         pool = trainer.producer.pool
         assert pool.pids() == [] and pool.num_workers == 2        # every worker is on the "other node"
-        score = trainer.producer.scorer.score
+        score = trainer.producer.scorer.rewards
 
         def killing_score(groups, stats):
             if trainer.version == 1 and not state:
@@ -283,7 +285,7 @@ def test_rollout_node_killed_mid_batch_equals_sync(sync_run, tmp_path, monkeypat
                 os.killpg(nodes[0].pid, signal.SIGKILL)
                 nodes.append(_start_rollout_node(port, tmp_path / "node1.log"))
             return score(groups, stats)
-        trainer.producer.scorer.score = killing_score
+        trainer.producer.scorer.rewards = killing_score
 
     try:
         trainer, history, params = _run(

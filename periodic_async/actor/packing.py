@@ -130,3 +130,13 @@ def pack_micro_batch(samples: list[TrainSample], pad_token_id: int, shared_promp
     if shared_prompt:
         return pack_shared(group_by_prompt(samples), pad_token_id)
     return pack_unshared(samples, pad_token_id)
+
+
+def padding_micro_batch(pad_token_id: int, shared_prompt: bool = False) -> MicroBatch:
+    """A micro-batch that carries no loss: one two-token row of padding, loss mask all zero. A DP
+    rank whose groups came up short of the batch's plan (an allocator trained fewer groups than
+    its positions) runs these so that every rank still runs the micro-batch count its pipeline
+    schedule was started with; they add nothing to the gradient or the metric sums."""
+    mb = pack_micro_batch([TrainSample([pad_token_id], [pad_token_id], 0.0)], pad_token_id, shared_prompt)
+    mb.loss_mask.zero_()
+    return mb

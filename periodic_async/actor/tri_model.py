@@ -42,7 +42,7 @@ from ..models.convert import export_hf_weights, load_hf_checkpoint
 from ..models.mcore import ModelArch, build_gpt_model
 from .logprobs import logprobs_entropy
 from .optimizer import build_optimizer
-from .packing import MicroBatch, TrainSample, pack_micro_batch
+from .packing import MicroBatch, TrainSample, pack_micro_batch, padding_micro_batch
 
 MODELS = ("policy", "old", "ref")
 
@@ -208,6 +208,17 @@ class TriModelActor:
         or, with actor.shared_prompt, one [prompt | r1 | ... | rK] sequence per group (a group cut
         by the micro-batch boundary is a smaller group, still exact)."""
         return pack_micro_batch(samples, self.pad_token_id, self.shared_prompt)
+
+    def pack_padding(self) -> MicroBatch:
+        """A micro-batch without loss (packing.padding_micro_batch) in this actor's layout."""
+        return padding_micro_batch(self.pad_token_id, self.shared_prompt)
+
+    def skip_step(self) -> dict[str, float]:
+        """No update (a batch with no sample to train on): the accumulated gradients, all zero,
+        are dropped; the weights and AdamW's moments stay as they are."""
+        self.optimizer.zero_grad()
+        self._lr_scale = 1.0
+        return {"actor/grad_norm": 0.0, "actor/lr": self.optimizer.lr, "actor/step_skipped": 0.0}
 
     # ------------------------------------------------------------------ forward / loss
     def _logprobs(self, logits: torch.Tensor, mb: MicroBatch, with_entropy: bool, entropy_grad: bool = False):

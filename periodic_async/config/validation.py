@@ -118,6 +118,19 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
     if cfg.rollout.group_sizing == "sagc":
         from periodic_async.scheduling.group_sizing import validate_sagc  # torch-free
         validate_sagc(cfg.rollout.sagc, cfg.rollout.n)
+    allocating = cfg.rollout.pilot.enabled or cfg.rollout.backfill.enabled
+    if allocating:
+        from periodic_async.scheduling.allocation import validate_allocation  # torch-free
+        try:
+            validate_allocation(cfg.rollout.pilot, cfg.rollout.backfill, cfg.data.train_batch_size, cfg.rollout.n)
+        except ConfigError:
+            raise
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if cfg.rollout.group_sizing != "fixed":
+            which = "rollout.pilot.enabled" if cfg.rollout.pilot.enabled else "rollout.backfill.enabled"
+            raise ConfigError(f"{which}: the allocator works with one group size, rollout.n; it cannot be combined "
+                              f"with rollout.group_sizing: {cfg.rollout.group_sizing} (which changes K per step)")
     for key in ("data.train_batch_size", "data.max_prompt_length", "rollout.max_new_tokens",
                 "rollout.max_slots", "rollout.queue_size", "actor.micro_batch_size", "trainer.total_steps",
                 "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size"):

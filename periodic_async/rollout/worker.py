@@ -26,6 +26,7 @@ import queue
 import random
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -259,6 +260,11 @@ class WorkerPool:
         self._pairs: dict[int, object] = {}                   # broadcast sync: wid -> pair group
         self._keys: dict[int, str] = {}                       # wid -> its current pair group's name
         self._spawned = 0
+        # Every worker process is started from this one long-lived thread: PR_SET_PDEATHSIG (the
+        # worker dies with its parent) fires when the parent THREAD exits, and a replacement for a
+        # worker lost mid-batch would otherwise be started by the batch's producer thread and be
+        # killed when that thread ends with the batch.
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-spawner")
         self._store = self._sync_address = None
         if settings.weight_sync == "broadcast":
             from . import weight_sync
@@ -344,6 +350,9 @@ class WorkerPool:
 
     # ------------------------------------------------------------------ processes
     def _spawn(self, wid: int) -> None:
+        self._spawner.submit(self._start_process, wid).result()
+
+    def _start_process(self, wid: int) -> None:
         inbox = self._ctx.Queue()
         reader, writer = self._ctx.Pipe(duplex=False)
         sync = None
@@ -614,3 +623,4 @@ class WorkerPool:
             if h.process.is_alive():
                 h.process.kill()
                 h.process.join(timeout=5)
+        self._spawner.shutdown(wait=False)

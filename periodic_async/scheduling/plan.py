@@ -1,12 +1,23 @@
 """One batch's plan: the prompts as rollout requests, each with its own K and seed (torch-free
-apart from the request types)."""
+apart from the request types).
+
+A plan is also what the producer asks, request by request, what follows: `on_scored(request,
+part)` once a request's responses are in and rewarded returns more requests to send (under the
+same policy version) and the groups ready to train on. A plain `BatchPlan` sends everything at
+once and trains every group; `AllocatedPlan` asks the allocator (allocation.py: pilot-commit,
+backfill). Either way the trainer is told up front how many groups of which K it will receive
+(`train_sizes`), and `finish()` fills the positions no group took with empty groups, so that every
+trainer rank knows its micro-batch count before the batch's first group arrives.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..data.records import DatasetError
-from ..rollout.base import RolloutRequest, SamplingParams
+from ..rollout.base import RolloutRequest, RolloutResult, SamplingParams
+from .allocation import Allocator, AllocRequest, Candidate
+from .group import Group
 from .group_sizing import FixedGroupSize, prompt_key
 
 
@@ -35,6 +46,104 @@ class BatchPlan:
         """group index -> K."""
         return {r.group_index: r.n for r in self.requests}
 
+    @property
+    def train_sizes(self) -> dict[int, int]:
+        """Training position -> K of the groups the trainer receives (a Group's group_index is its
+        position): here every prompt's group, at its own index."""
+        return self.group_sizes
+
+    def part_group(self, request: RolloutRequest, results: list[RolloutResult]) -> Group:
+        """The responses of one request as a Group (sorted by sample index), not yet scored."""
+        want = request.samples()
+        got = sorted(results, key=lambda r: r.sample_index)
+        if [r.sample_index for r in got] != sorted(want):
+            raise RuntimeError(f"group {request.group_index}: samples {[r.sample_index for r in got]} received for "
+                               f"a request of samples {sorted(want)}")
+        return Group(request.group_index, request.prompt_ids, self.answers[request.group_index], got)
+
+    def on_scored(self, request: RolloutRequest, part: Group) -> tuple[list[RolloutRequest], list[Group]]:
+        """`part` (the responses of `request`, rewarded) is in: the requests to send next and the
+        groups ready to train on (advantages still to compute, over each whole group)."""
+        return [], [part]
+
+    def finish(self) -> list[Group]:
+        """After the last request: empty groups for the training positions no group took."""
+        return []
+
+    def end_metrics(self) -> dict[str, float]:
+        """The plan's own metrics of the batch (after finish)."""
+        return {}
+
+
+@dataclass
+class AllocatedPlan(BatchPlan):
+    """A batch whose requests the allocator (allocation.py) decides as the step goes: pilots then
+    commits, or full groups and backfills. Slots are the allocator's (group_index = slot of every
+    request, which fixes the seed); a trainable group takes the next free training position as it
+    becomes ready, so positions follow readiness order, and decisions never do (the allocator's
+    promise). `prompt_of(key)` -> (prompt ids, answer) of a drawn prompt."""
+    allocator: Allocator = None
+    prompt_of: Callable = None
+    sampling: SamplingParams = None
+    seed: int = 0
+    group_size: int = 0
+    max_groups: int = 0
+    _parts: dict = field(default_factory=dict)      # slot -> {phase: rewarded part Group}
+    _positions: int = 0
+    _metrics: dict = field(default_factory=dict)
+    _reward_sum: float = 0.0        # over every rollout of the step, trained on or not
+    _reward_count: int = 0
+
+    @property
+    def train_sizes(self) -> dict[int, int]:
+        return {i: self.group_size for i in range(self.max_groups)}
+
+    def to_request(self, req: AllocRequest) -> RolloutRequest:
+        ids, answer = self.prompt_of(req.key)
+        self.answers[req.slot] = answer
+        return RolloutRequest(req.slot, ids, req.group_size, self.sampling, request_seed(self.seed, self.step, req.slot),
+                              sample_indices=list(req.sample_indices))
+
+    def on_scored(self, request: RolloutRequest, part: Group) -> tuple[list[RolloutRequest], list[Group]]:
+        phase = self._phase_of(request)
+        self._parts.setdefault(request.group_index, {})[phase] = part
+        self._reward_sum += sum(part.rewards)
+        self._reward_count += len(part.rewards)
+        out = self.allocator.on_group(self.step, request.group_index, phase, part.rewards)
+        more = [self.to_request(r) for r in out.requests]
+        ready = []
+        for tg in out.ready:
+            parts = self._parts.pop(tg.slot)
+            results = [r for a in tg.parts for r in parts[a.phase].results]
+            rewards = [x for a in tg.parts for x in parts[a.phase].rewards]
+            if len(results) != tg.group_size or [r.sample_index for r in results] != list(range(tg.group_size)):
+                raise RuntimeError(f"step {self.step}, slot {tg.slot}: the parts {[a.phase for a in tg.parts]} hold "
+                                   f"samples {[r.sample_index for r in results]}, not 0..{tg.group_size - 1}")
+            if self._positions >= self.max_groups:
+                raise RuntimeError(f"step {self.step}: the allocator made more than {self.max_groups} groups trainable")
+            ready.append(Group(self._positions, part.prompt_ids, part.answer, results, rewards))
+            self._positions += 1
+        return more, ready
+
+    def _phase_of(self, request: RolloutRequest) -> str:
+        from .allocation import COMMIT, FULL, PILOT
+        if not self.allocator.pilot.enabled:
+            return FULL
+        return PILOT if min(request.samples()) < self.allocator.pilot.n_pilot else COMMIT
+
+    def finish(self) -> list[Group]:
+        self._metrics = self.allocator.end_step(self.step)
+        # the policy's score on everything it generated: critic/score/mean covers the trained
+        # groups only, which the allocator selects
+        if self._reward_count:
+            self._metrics["alloc/score_all/mean"] = self._reward_sum / self._reward_count
+        empty = [Group(i, [], "", []) for i in range(self._positions, self.max_groups)]
+        self._positions = self.max_groups
+        return empty
+
+    def end_metrics(self) -> dict[str, float]:
+        return dict(self._metrics)
+
 
 class BatchPlanner:
     """The loader's next batch of records -> a BatchPlan: K from the group sizer, the sampling
@@ -46,11 +155,16 @@ class BatchPlanner:
     """
 
     def __init__(self, loader, tokenize: Callable, sampling: SamplingParams, seed: int, group_sizer=None,
-                 default_n: int = 8):
+                 default_n: int = 8, allocator: Allocator | None = None):
         self.loader, self.tokenize, self.sampling, self.seed = loader, tokenize, sampling, seed
         self.group_sizer = group_sizer if group_sizer is not None else FixedGroupSize(default_n)
+        self.allocator = allocator      # pilot-commit / backfill (rollout.pilot, rollout.backfill), or None
+        self._records = {rec.index: rec for rec in loader.records}
+        self._ids: dict[int, list[int]] = {}
 
     def plan(self, step: int) -> BatchPlan:
+        if self.allocator is not None:
+            return self._allocated_plan(step)
         pending = list(self.loader.next_batch())   # a copy: replacements are appended to it
         records, prompts = [], []
         skipped_in_a_row = 0
@@ -77,3 +191,29 @@ class BatchPlanner:
                 raise ValueError(f"group size {k} for prompt {i} of step {step}: a group needs at least 2 responses")
             requests.append(RolloutRequest(i, ids, k, self.sampling, request_seed(self.seed, step, i)))
         return BatchPlan(step, requests, {i: rec.answer for i, rec in enumerate(records)})
+
+    def _allocated_plan(self, step: int) -> AllocatedPlan:
+        """The allocator draws the step's prompts itself (and more during the step, for backfill);
+        a prompt left out by `tokenize` is skipped like in plan()."""
+        def draw() -> Candidate | None:
+            for _ in range(2 * len(self.loader.records)):
+                epoch = self.loader.epoch
+                (rec,) = self.loader.next_batch(1)
+                if self._prompt_ids(rec.index) is not None:
+                    return Candidate(rec.index, epoch)
+            raise DatasetError(f"data.overlong_prompt: skip left out every one of the "
+                               f"{len(self.loader.records)} records (all over data.max_prompt_length)")
+
+        alloc = self.allocator
+        plan = AllocatedPlan(step, [], {}, allocator=alloc, prompt_of=self._prompt_of, sampling=self.sampling,
+                             seed=self.seed, group_size=alloc.group_size, max_groups=alloc.batch_size)
+        plan.requests = [plan.to_request(r) for r in alloc.begin_step(step, draw)]
+        return plan
+
+    def _prompt_ids(self, index: int) -> list[int] | None:
+        if index not in self._ids:
+            self._ids[index] = self.tokenize(self._records[index])
+        return self._ids[index]
+
+    def _prompt_of(self, index: int) -> tuple[list[int], str]:
+        return self._prompt_ids(index), self._records[index].answer

@@ -3,8 +3,10 @@
 - `ColocatedProducer` (mode `sync`): the rollout engine lives in the trainer process; the whole
   batch is generated, then scored, then handed over.
 - `WorkerProducer` (modes `periodic` and `sync_split`): a producer thread dispatches the batch's
-  requests to the rollout worker processes, assembles each prompt's K responses as they finish,
-  scores the complete group (off the trainer's critical path) and puts it on a bounded queue.
+  requests to the rollout worker processes, assembles each request's responses as they finish,
+  scores them (off the trainer's critical path), sends whatever the plan asks for next under the
+  same policy version (plan.py: `on_scored`; pilot -> commit, backfill) and puts each group ready
+  to train on a bounded queue.
   In `periodic` the trainer consumes groups in completion order while the rest still generate;
   `sync_split` (the fair baseline on the same device split) hands groups over only once the whole
   batch is generated.
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from ..rollout.base import RolloutRequest, RolloutResult
-from .group import Group, collect_groups
+from .group import Group
 from .plan import BatchPlan
 from .scorer import Scorer
 
@@ -76,12 +78,25 @@ class ColocatedProducer(GroupProducer):
         self._stats = RolloutStats()
 
     def start(self, plan: BatchPlan) -> None:
+        """Generate in rounds: the plan's requests, then whatever its answers to their scored
+        parts ask for (pilot -> commit, backfill), until nothing is left."""
         self._stats = stats = RolloutStats(t_dispatch=time.perf_counter())
-        results = list(self.engine.generate(plan.requests))
-        stats.t_last_group = time.perf_counter()
-        stats.results = results
-        self._groups = _assemble(plan, results)
-        self.scorer.score(self._groups, stats)
+        self._groups = []
+        pending = list(plan.requests)
+        while pending:
+            results = list(self.engine.generate(pending))
+            stats.t_last_group = time.perf_counter()
+            stats.results += results
+            by_request = _split_by_request(pending, results)
+            parts = [plan.part_group(req, got) for req, got in zip(pending, by_request)]
+            self.scorer.rewards(parts, stats)
+            sent, pending = pending, []
+            for req, part in zip(sent, parts):
+                more, ready = plan.on_scored(req, part)
+                pending += more
+                self._groups += ready
+        self.scorer.advantages(self._groups)
+        self._groups += plan.finish()
 
     def groups(self) -> Iterator[Group]:
         yield from self._groups
@@ -96,9 +111,19 @@ class ColocatedProducer(GroupProducer):
         self.engine.close()
 
 
-def _assemble(plan: BatchPlan, results) -> list[Group]:
-    prompts = {r.group_index: (r.prompt_ids, plan.answers[r.group_index]) for r in plan.requests}
-    return collect_groups(results, prompts, plan.group_sizes)
+def _split_by_request(requests: list[RolloutRequest], results: list[RolloutResult]) -> list[list[RolloutResult]]:
+    """Each request's results, in request order (a slot may have several requests: pilot, commit)."""
+    owner = {}
+    for i, req in enumerate(requests):
+        for k in req.samples():
+            owner[(req.group_index, k)] = i
+    out: list[list[RolloutResult]] = [[] for _ in requests]
+    for r in results:
+        i = owner.pop((r.group_index, r.sample_index), None)
+        if i is None:
+            raise RuntimeError(f"group {r.group_index}: sample {r.sample_index} received twice or never requested")
+        out[i].append(r)
+    return out
 
 
 _DONE = object()
@@ -128,27 +153,49 @@ class WorkerProducer(GroupProducer):
         return list(self.pool.results())
 
     def _produce(self, plan: BatchPlan) -> None:
-        """Dispatch the batch, assemble groups as their K responses finish, score, enqueue."""
+        """Dispatch the batch, assemble each request's responses as they finish, score them, send
+        what the plan asks for next, enqueue the groups ready to train on."""
         stats = self._stats
         try:
             stats.t_dispatch = time.perf_counter()
-            self.pool.dispatch(plan.requests)
-            requests = {r.group_index: r for r in plan.requests}
-            by_group: dict[int, list[RolloutResult]] = {g: [] for g in requests}
+            owner: dict[tuple[int, int], RolloutRequest] = {}    # (group, sample) -> its request
+            got: dict[int, list[RolloutResult]] = {}              # id(request) -> its results so far
+
+            def send(requests: list[RolloutRequest]) -> None:
+                for req in requests:
+                    got[id(req)] = []
+                    for k in req.samples():
+                        owner[(req.group_index, k)] = req
+                if requests:
+                    self.pool.dispatch(requests)
+
+            send(list(plan.requests))
             held = []
             for result in self.pool.results():
                 stats.results.append(result)
-                g = result.group_index
-                by_group[g].append(result)
-                if len(by_group[g]) == requests[g].n:
-                    (group,) = _assemble(BatchPlan(plan.step, [requests[g]], {g: plan.answers[g]}), by_group[g])
-                    self.scorer.score([group], stats)
-                    stats.t_last_group = time.perf_counter()
-                    if self.wait_for_batch:
-                        held.append(group)
-                    else:
-                        self._put(group)
-            for group in held:
+                req = owner.pop((result.group_index, result.sample_index), None)
+                if req is None:
+                    raise RuntimeError(f"group {result.group_index}: sample {result.sample_index} received twice "
+                                       "or never requested")
+                part = got[id(req)]
+                part.append(result)
+                if len(part) < len(req.samples()):
+                    continue
+                del got[id(req)]
+                group = plan.part_group(req, part)
+                self.scorer.rewards([group], stats)
+                more, ready = plan.on_scored(req, group)
+                send(more)
+                self.scorer.advantages(ready)
+                stats.t_last_group = time.perf_counter()
+                if self.wait_for_batch:
+                    held += ready
+                else:
+                    for g in ready:
+                        self._put(g)
+            if got:
+                raise RuntimeError(f"the rollout pool ended the batch with {len(got)} requests incomplete")
+            for group in held + plan.finish():
                 self._put(group)
             self._put(_DONE)
         except BaseException as e:  # noqa: BLE001 - re-raised in the consumer

@@ -18,21 +18,30 @@ class Scorer:
     def score(self, groups: list[Group], stats) -> None:
         """Fill each group's rewards and advantages; add the time and error counts to `stats`
         (a RolloutStats)."""
+        self.rewards(groups, stats)
+        self.advantages(groups)
+
+    def rewards(self, groups: list[Group], stats) -> None:
+        """Fill each group's rewards (a part of a group too: a pilot's samples decide its commit)."""
         t0 = time.perf_counter()
         items = [(self.decode(r.response_ids), g.answer) for g in groups for r in g.results]
         scored = self.reward.score(items)
         it = iter(scored.scores)
         for g in groups:
             g.rewards = [next(it) for _ in g.results]
-        advantages = compute_advantages(self.adv_estimator, [g.rewards for g in groups], self.algo_cfg)
-        for g, adv in zip(groups, advantages):
-            g.advantages = adv
         stats.reward_s += time.perf_counter() - t0
         stats.num_errors += scored.num_errors
         stats.num_timeouts += scored.num_timeouts
         stats.num_invalid += scored.num_invalid
         if stats.first_reward_error is None:
             stats.first_reward_error = scored.first_error
+
+    def advantages(self, groups: list[Group]) -> None:
+        """Fill each complete group's advantages from its rewards (over all of its K responses,
+        never per part)."""
+        advantages = compute_advantages(self.adv_estimator, [g.rewards for g in groups], self.algo_cfg)
+        for g, adv in zip(groups, advantages):
+            g.advantages = adv
 
 
 def reward_fault_summary(stats, num_items: int) -> str | None:

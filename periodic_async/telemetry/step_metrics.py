@@ -35,7 +35,17 @@ def rollout_metrics(groups, stats, step_s: float, num_engines: int, restarts: in
     for r in stats.results:
         busy.setdefault(r.timings.get("worker", 0), []).append((r.timings["start"], r.timings["end"]))
     busy_s = sum(union_length(iv) for iv in busy.values()) / max(1, num_engines)
+    out = {
+        "reward/num_errors": stats.num_errors, "reward/num_timeouts": stats.num_timeouts,
+        "reward/num_invalid": stats.num_invalid,
+        "timing_s/gen": stats.gen_s, "timing_s/reward": stats.reward_s,
+        "rollouter/idle_ratio": max(0.0, 1.0 - busy_s / step_s),
+        "rollouter/restarts": restarts,
+    }
+    if not groups:      # nothing trained this step (an allocator kept no group)
+        return out
     return {
+        **out,
         "critic/score/mean": statistics.fmean(scores), "critic/score/max": max(scores),
         "critic/score/min": min(scores), "critic/rewards/mean": statistics.fmean(scores),
         "critic/advantages/mean": statistics.fmean(adv), "critic/advantages/max": max(adv),
@@ -45,11 +55,6 @@ def rollout_metrics(groups, stats, step_s: float, num_engines: int, restarts: in
         "prompt_length/mean": statistics.fmean(len(g.prompt_ids) for g in groups),
         "rollout/group_size/mean": statistics.fmean(g.size for g in groups),
         "rollout/solve_all_ratio": sum(max(g.rewards) >= 1.0 for g in groups) / len(groups),
-        "reward/num_errors": stats.num_errors, "reward/num_timeouts": stats.num_timeouts,
-        "reward/num_invalid": stats.num_invalid,
-        "timing_s/gen": stats.gen_s, "timing_s/reward": stats.reward_s,
-        "rollouter/idle_ratio": max(0.0, 1.0 - busy_s / step_s),
-        "rollouter/restarts": restarts,
     }
 
 
@@ -73,6 +78,6 @@ def throughput_metrics(groups, step_s: float, num_devices: int, trainer_version:
     return {
         "perf/total_num_tokens": n_tokens,
         "perf/throughput": n_tokens / step_s / num_devices,
-        "training/off_policy/trajectory_staleness/mean": float(statistics.fmean(staleness)),
-        "training/off_policy/trajectory_staleness/max": float(max(staleness)),
+        "training/off_policy/trajectory_staleness/mean": float(statistics.fmean(staleness)) if staleness else 0.0,
+        "training/off_policy/trajectory_staleness/max": float(max(staleness)) if staleness else 0.0,
     }

@@ -33,9 +33,9 @@ class Timeline:
         self._lock = threading.Lock()
 
     def watch_scorer(self, scorer) -> None:
-        """Record the interval of every `scorer.score(groups, stats)` call (the producer thread's
+        """Record the interval of every `scorer.rewards(groups, stats)` call (the producer thread's
         scoring, or the colocated producer's) for the step being run."""
-        inner = scorer.score
+        inner = scorer.rewards
 
         def score(groups, stats):
             t0 = time.perf_counter()
@@ -47,7 +47,7 @@ class Timeline:
                 with self._lock:
                     self._reward.append(event)
 
-        scorer.score = score
+        scorer.rewards = score
 
     def record_step(self, step: int, results, train_intervals, sync_interval, step_interval=None, groups=None,
                     micro_batch_size: int | None = None, dp_size: int = 1, train_end: float | None = None,

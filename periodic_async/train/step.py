@@ -36,10 +36,12 @@ def num_micro_batches(sizes: dict[int, int], owner: dict[int, int], dp_rank: int
 
 
 def _micro_batches(actor, feed: GroupFeed, owner: dict[int, int], dp_rank: int, check_group,
-                   micro_batch_size: int, out: BatchResult, seat=None):
-    """Packed micro-batches of this DP rank's groups, in completion order, as they arrive.
-    `seat` (backend.CoreSeat, cpu only): cores shared with the rollout workers - given up while
-    waiting for a group, re-divided before each micro-step."""
+                   micro_batch_size: int, out: BatchResult, seat=None, num_micro_batches: int = 0):
+    """Packed micro-batches of this DP rank's groups, in completion order, as they arrive, then
+    loss-free padding up to `num_micro_batches` when groups came empty (positions an allocator
+    did not fill). `seat` (backend.CoreSeat, cpu only): cores shared with the rollout workers -
+    given up while waiting for a group, re-divided before each micro-step."""
+    produced = 0
     pending: list[TrainSample] = []
     remaining = sum(1 for g in owner.values() if g == dp_rank)
     for _ in range(feed.n):
@@ -65,9 +67,12 @@ def _micro_batches(actor, feed: GroupFeed, owner: dict[int, int], dp_rank: int, 
             out.train_intervals.append(interval)
             if seat is not None:
                 seat.refresh()
+            produced += 1
             yield mb
             if interval[1] is None:
                 interval[1] = time.perf_counter()
+    for _ in range(num_micro_batches - produced):
+        yield actor.pack_padding()
 
 
 def _tee(iterator, keep: list):
@@ -87,7 +92,7 @@ def train_batch(actor, feed: GroupFeed, cfg, dp_rank: int, dp_size: int, check_g
     actor.refresh_old()
     # Epoch 1: consume groups as they arrive (old == policy: the old forward is skipped)
     keep = [] if cfg.ppo_epochs > 1 else None
-    stream = _micro_batches(actor, feed, owner, dp_rank, check_group, cfg.micro_batch_size, out, seat)
+    stream = _micro_batches(actor, feed, owner, dp_rank, check_group, cfg.micro_batch_size, out, seat, n_mb)
     if keep is not None:
         stream = _tee(stream, keep)
     t0 = time.perf_counter()
@@ -109,6 +114,11 @@ def train_batch(actor, feed: GroupFeed, cfg, dp_rank: int, dp_size: int, check_g
     normaliser = batch_normaliser([len(r.response_ids) for g in out.groups for r in g.results], cfg.loss_agg_mode)
     t0 = time.perf_counter()
     epochs = [sums]
+    if normaliser == 0:
+        # nothing to train on (every group empty: an allocator found no informative prompt); every
+        # rank received the same groups, so every rank skips alike
+        out.metrics = {**epoch_means(epochs, [actor.skip_step()], 1.0), "training/empty_batch": 1.0}
+        return out
     steps = [actor.optimizer_step(grad_scale=1.0 / normaliser)]
     for _ in range(cfg.ppo_epochs - 1):
         epochs.append(actor.forward_backward(keep, len(keep), use_old=True))

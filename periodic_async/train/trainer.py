@@ -114,6 +114,8 @@ class Trainer:
                 self.planner.loader.load_state_dict(meta["loader"])
                 if meta.get("group_sizer") is not None and hasattr(self.planner.group_sizer, "load_state_dict"):
                     self.planner.group_sizer.load_state_dict(meta["group_sizer"])
+                if meta.get("allocator") is not None and self.planner.allocator is not None:
+                    self.planner.allocator.load_state_dict(meta["allocator"])
             self.producer = self._build_producer(worker_placements, initial)
             if cfg.trainer.record_timeline:
                 self.timeline.watch_scorer(self.producer.scorer)
@@ -168,6 +170,8 @@ class Trainer:
         meta = {"version": self.version, "layout": self._layout(), "nonfinite_in_a_row": self.nonfinite_in_a_row,
                 "loader": self.planner.loader.state_dict() if self.planner is not None else None,
                 "group_sizer": sizer.state_dict() if hasattr(sizer, "state_dict") else None,
+                "allocator": (self.planner.allocator.state_dict()
+                              if self.planner is not None and self.planner.allocator is not None else None),
                 "config": config_to_dict(self.cfg)}
         return save_checkpoint(self.cfg.trainer.run_dir, step, self.rank, self.world,
                                self.actor.sharded_state_dict(), meta, self.cfg.trainer.keep_checkpoints)
@@ -215,8 +219,13 @@ class Trainer:
         sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k,
                                   cfg.rollout.max_new_tokens, stops, ignore_eos=cfg.rollout.ignore_eos)
         from ..scheduling.group_sizing import build_group_sizer
+        allocator = None
+        if cfg.rollout.pilot.enabled or cfg.rollout.backfill.enabled:
+            from ..scheduling.allocation import Allocator
+            allocator = Allocator(cfg.rollout.pilot, cfg.rollout.backfill, cfg.data.train_batch_size, cfg.rollout.n,
+                                  num_prompts=len(loader.records))
         return BatchPlanner(loader, self._tokenize_prompt, sampling, cfg.trainer.seed,
-                            group_sizer=build_group_sizer(cfg.rollout), default_n=cfg.rollout.n)
+                            group_sizer=build_group_sizer(cfg.rollout), default_n=cfg.rollout.n, allocator=allocator)
 
     def _build_producer(self, placements, initial):
         """initial: the policy's HF-layout (name, tensor) stream (version 0) for the workers; the
@@ -263,7 +272,7 @@ class Trainer:
             plan = self.planner.plan(step)
             prompt_counts = self.prompts.pop_counts()   # this batch's skipped / truncated prompts
             self.producer.start(plan)
-            sizes, groups = plan.group_sizes, self.producer.groups()
+            sizes, groups = plan.train_sizes, self.producer.groups()
         feed = GroupFeed(sizes, groups, self.feed_group)
         batch = train_batch(self.actor, feed, cfg.actor, self.dp_rank, self.dp_size, self._check_group,
                             seat=self.core_seat)
@@ -278,18 +287,20 @@ class Trainer:
         metrics["timing_s/update_weights"] = t_sync_end - t_sync
         metrics["timing_s/step"] = step_s
         metrics["trainer/idle_ratio"] = batch.wait_s / step_s
+        trained = [g for g in batch.groups if g.size]   # without the empty groups of unfilled positions
         if self.rank == 0:
             stats = self.producer.stats
             metrics.update(prompt_counts)
+            metrics.update(plan.end_metrics())
             observe = getattr(self.planner.group_sizer, "observe", None)
             if observe is not None:     # an adaptive sizer (rollout.group_sizing: sagc) learns from the lengths
                 from ..scheduling.group_sizing import prompt_key
-                metrics.update(observe(step, [[len(r.response_ids) for r in g.results] for g in batch.groups],
-                                       [prompt_key(g.prompt_ids) for g in batch.groups]))
+                metrics.update(observe(step, [[len(r.response_ids) for r in g.results] for g in trained],
+                                       [prompt_key(g.prompt_ids) for g in trained]))
             metrics.update(step_metrics.rollout_metrics(
-                batch.groups, stats, step_s, num_engines=self._num_engines(),
+                trained, stats, step_s, num_engines=self._num_engines(),
                 restarts=getattr(getattr(self.producer, "pool", None), "restarts", 0)))
-            reward_faults = reward_fault_summary(stats, sum(g.size for g in batch.groups))
+            reward_faults = reward_fault_summary(stats, len(stats.results))
             if reward_faults:
                 log.warning("step %d: %s", step, reward_faults)
             metrics.update(step_metrics.overlap_metrics((stats.t_dispatch, stats.t_last_group),
@@ -297,11 +308,11 @@ class Trainer:
             if cfg.trainer.record_timeline:
                 self.timeline.record_step(
                     step, stats.results, batch.train_intervals, (t_sync, t_sync_end), (t_step, t_sync_end),
-                    batch.groups, cfg.actor.micro_batch_size, self.dp_size, t_batch_end,
+                    trained, cfg.actor.micro_batch_size, self.dp_size, t_batch_end,
                     {"mode": cfg.trainer.mode, "devices": self._num_devices(), "engines": self._num_engines(),
                      "world": self.world, "dp_size": self.dp_size, "micro_batch_size": cfg.actor.micro_batch_size,
                      "dispatch": stats.t_dispatch, "gen_end": stats.t_last_group})
-        metrics.update(step_metrics.throughput_metrics(batch.groups, step_s, self._num_devices(), self.version))
+        metrics.update(step_metrics.throughput_metrics(trained, step_s, self._num_devices(), self.version))
         metrics["training/policy_version"] = self.version
         return metrics
 
@@ -367,7 +378,7 @@ class Trainer:
                     if bar is not None:
                         bar.write(line)
                         bar.update(1)
-                        bar.set_postfix(score=f"{metrics['critic/score/mean']:.3f}")
+                        bar.set_postfix(score=f"{metrics.get('critic/score/mean', float('nan')):.3f}")
                     else:
                         print(line, flush=True)
                 # after the step's metrics line: a checkpoint never runs ahead of metrics.jsonl
