@@ -18,6 +18,9 @@ CORE = [
     "math-verify==0.9.0",
     "pyarrow==26.0.1",
     "pebble==5.2.3",            # reward worker pool (reward/manager.py)
+    # Megatron-core's torch_dist checkpoint writer imports it in its writer processes without
+    # declaring it; without it every checkpoint save (trainer.save_every, default 50) hangs.
+    "psutil==7.2.2",
 ]
 
 setup(

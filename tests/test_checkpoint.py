@@ -248,3 +248,13 @@ def test_tp2_run_resumes_exactly_under_torchrun(tmp_path):
     c = SafetensorsReader(str(tp1_dir / "final_hf"))
     for n in sorted(b.names()):
         torch.testing.assert_close(c(n), b(n), rtol=1e-4, atol=1e-5, msg=lambda m: f"TP=1 resumed {n}: {m}")
+
+
+def test_the_checkpoint_writers_undeclared_dependency_is_installed_with_the_project():
+    """Megatron-core's torch_dist writer needs psutil but does not declare it; without it every
+    save hangs. The project's own requirements must bring it (a plain `./run.sh` install has no
+    other package that pulls it in)."""
+    from importlib.metadata import requires
+    names = {r.split(";")[0].split("=")[0].split("<")[0].split(">")[0].strip().lower() for r in requires("periodic-async")
+             if "extra ==" not in r}
+    assert "psutil" in names

@@ -36,6 +36,7 @@ def rollout_metrics(groups, stats, step_s: float, num_engines: int, restarts: in
         busy.setdefault(r.timings.get("worker", 0), []).append((r.timings["start"], r.timings["end"]))
     busy_s = sum(union_length(iv) for iv in busy.values()) / max(1, num_engines)
     out = {
+        "rollout/generated": len(stats.results),     # every response of the step, trained on or not
         "reward/num_errors": stats.num_errors, "reward/num_timeouts": stats.num_timeouts,
         "reward/num_invalid": stats.num_invalid,
         "timing_s/gen": stats.gen_s, "timing_s/reward": stats.reward_s,
@@ -51,7 +52,7 @@ def rollout_metrics(groups, stats, step_s: float, num_engines: int, restarts: in
         "critic/advantages/mean": statistics.fmean(adv), "critic/advantages/max": max(adv),
         "critic/advantages/min": min(adv),
         "response_length/mean": statistics.fmean(resp_len), "response_length/max": max(resp_len),
-        "response_length/min": min(resp_len), "response_length/clip_ratio": truncated / len(resp_len),
+        "response_length/min": min(resp_len), "response_length/median": statistics.median(resp_len), "response_length/clip_ratio": truncated / len(resp_len),
         "prompt_length/mean": statistics.fmean(len(g.prompt_ids) for g in groups),
         "rollout/group_size/mean": statistics.fmean(g.size for g in groups),
         "rollout/solve_all_ratio": sum(max(g.rewards) >= 1.0 for g in groups) / len(groups),

@@ -1,0 +1,195 @@
+"""Rollout allocation and group sizing on the long_tail task, side by side.
+
+    python tools/bench_allocation.py [--config configs/long_tail.yaml] [--steps 150] [--modes sync,periodic]
+                                     [--variants grpo,backfill,pilot] [--repeats 1] [--val-every 10]
+                                     [--targets 0.3,0.4] [--png docs/allocation_curves.png]
+                                     [--write-docs docs/performance.md] [key=value ...]
+
+Each run is a fresh `python -m periodic_async` process; within a repeat the (mode, variant) runs
+alternate in a fixed order, so machine drift hits them alike. The policy's quality is the held-out
+validation reward (data.val_size prompts, greedy and val_n samples, every --val-every steps), the
+same prompts for every variant - `critic/score/mean` would not do: pilot and backfill choose which
+groups are trained on, and pilot stops drawing solved prompts. Wall-clock is the sum of the steps'
+`timing_s/step` (validation excluded), rollouts the sum of `rollout/generated`.
+
+Variants: grpo (plain), backfill (rollout.backfill), pilot (rollout.pilot with success = the first
+character right, reward >= 0.1: a random-init model never answers a long_tail prompt exactly, so
+the default success_threshold 1.0 would defer every prompt), fixed4 / fixed8 / fixed16 (rollout.n)
+and sagc (rollout.group_sizing: sagc from rollout.n = 8). Pilot and backfill are not combined: the
+configuration refuses it (a committed pilot always has varying rewards, so backfill never acts).
+
+Per run it prints: steps, rollouts and wall-clock until the validation reward first reaches each
+target, the final and best validation reward, mean step time, and the straggler-step rate (share of
+steps whose longest response is over tau = 2 x the median, SAGC's event). The PNG has the
+validation reward against rollouts and against wall-clock, one line per run.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+VARIANTS = {
+    "grpo": [],
+    "backfill": ["rollout.backfill.enabled=true"],
+    "pilot": ["rollout.pilot.enabled=true", "rollout.pilot.success_threshold=0.1"],
+    "fixed4": ["rollout.n=4"],
+    "fixed8": ["rollout.n=8"],
+    "fixed16": ["rollout.n=16"],
+    "sagc": ["rollout.group_sizing=sagc", "rollout.n=8"],
+}
+TAU = 2.0
+
+
+def log(msg: str) -> None:
+    print(f"[bench_allocation {datetime.datetime.now(datetime.timezone.utc):%H:%M:%S}] {msg}", flush=True)
+
+
+def run_once(config: str, mode: str, variant: str, steps: int, val_every: int, run_dir: str,
+             overrides: list[str]) -> list[dict]:
+    cmd = [sys.executable, "-m", "periodic_async", "--config", config, f"trainer.mode={mode}", *VARIANTS[variant],
+           f"trainer.total_steps={steps}", f"trainer.run_dir={run_dir}", "trainer.progress_bar=false",
+           "trainer.save_final=false", "trainer.tensorboard=false", "trainer.save_every=0",
+           f"trainer.val_every={val_every}", *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+    if proc.returncode != 0:
+        sys.exit(f"run failed ({mode} {variant}): {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    log(f"  {mode} {variant}: {steps} steps in {time.time() - t0:.0f} s")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def curve(records: list[dict], val_key: str) -> list[tuple[int, int, float, float]]:
+    """(step, rollouts so far, wall-clock s so far, validation reward) at each validation (step 0:
+    before training)."""
+    out, rollouts, wall = [], 0, 0.0
+    for r in records:
+        if r.get("step", 0) > 0:
+            rollouts += int(r.get("rollout/generated", 0))
+            wall += r.get("timing_s/step", 0.0)
+        if val_key in r:
+            out.append((r.get("step", 0), rollouts, wall, r[val_key]))
+    return out
+
+
+def summarise(records: list[dict], val_key: str, targets: list[float]) -> dict:
+    steps = [r for r in records if r.get("step", 0) > 0]
+    c = curve(records, val_key)
+    stragglers = [r["response_length/max"] > TAU * r["response_length/median"] for r in steps
+                  if "response_length/median" in r]
+    out = {"curve": c, "final": c[-1][3], "best": max(v for *_, v in c),
+           "step_s": statistics.fmean(r["timing_s/step"] for r in steps),
+           "rollouts": sum(int(r.get("rollout/generated", 0)) for r in steps),
+           "wall_s": sum(r["timing_s/step"] for r in steps),
+           "straggler_rate": statistics.fmean(stragglers) if stragglers else float("nan"),
+           "group_size": statistics.fmean(r.get("sagc/group_size", r.get("rollout/group_size/mean", 0)) for r in steps),
+           "trainable": statistics.fmean(r.get("alloc/trainable_groups", float("nan")) for r in steps),
+           "reach": {}}
+    for t in targets:
+        hit = next(((s, n, w) for s, n, w, v in c if v >= t), None)
+        out["reach"][t] = hit
+    return out
+
+
+def table(results: dict, targets: list[float], val_key: str) -> list[str]:
+    head = ["mode", "variant", "repeat", "final val", "best val"]
+    for t in targets:
+        head += [f"steps to {t}", f"rollouts to {t}", f"wall s to {t}"]
+    head += ["rollouts", "wall s", "step s", "mean K", "trained groups / step", "straggler steps"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (mode, variant, rep), s in results.items():
+        row = [mode, variant, str(rep + 1), f"{s['final']:.3f}", f"{s['best']:.3f}"]
+        for t in targets:
+            hit = s["reach"][t]
+            row += ["-", "-", "-"] if hit is None else [str(hit[0]), str(hit[1]), f"{hit[2]:.0f}"]
+        row += [str(s["rollouts"]), f"{s['wall_s']:.0f}", f"{s['step_s']:.2f}", f"{s['group_size']:.1f}",
+                "-" if s["trainable"] != s["trainable"] else f"{s['trainable']:.1f}", f"{s['straggler_rate']:.0%}"]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def plot(results: dict, val_key: str, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    styles = {"sync": "--", "periodic": "-", "sync_split": ":"}
+    for (mode, variant, rep), s in results.items():
+        c = s["curve"]
+        label = f"{variant} ({mode})" + (f" #{rep + 1}" if rep else "")
+        axes[0].plot([x[1] for x in c], [x[3] for x in c], styles.get(mode, "-"), marker=".", label=label)
+        axes[1].plot([x[2] for x in c], [x[3] for x in c], styles.get(mode, "-"), marker=".", label=label)
+    axes[0].set_xlabel("rollouts generated")
+    axes[1].set_xlabel("wall-clock s (training steps, validation excluded)")
+    for ax in axes:
+        ax.set_ylabel(val_key)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.suptitle("long_tail: held-out reward against rollouts and wall-clock")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    log(f"wrote {path}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=os.path.join(ROOT, "configs", "long_tail.yaml"))
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--modes", default="sync,periodic")
+    p.add_argument("--variants", default="grpo,backfill,pilot")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--val-every", type=int, default=10)
+    p.add_argument("--val-size", type=int, default=128)
+    p.add_argument("--val-n", type=int, default=4)
+    p.add_argument("--val-metric", default="mean", choices=("mean", "greedy"),
+                   help="mean@val_n of the sampled responses, or greedy@1")
+    p.add_argument("--targets", default="0.3,0.4")
+    p.add_argument("--png", default=None)
+    p.add_argument("--write-docs", default=None, help="put the table into this markdown file")
+    p.add_argument("--doc-block", default="allocation-bench")
+    p.add_argument("--keep-runs", default=None)
+    p.add_argument("overrides", nargs="*", help="key=value for every run")
+    args = p.parse_args()
+    modes, variants = args.modes.split(","), args.variants.split(",")
+    for v in variants:
+        if v not in VARIANTS:
+            sys.exit(f"--variants: unknown '{v}'; allowed: {', '.join(VARIANTS)}")
+    targets = [float(t) for t in args.targets.split(",") if t]
+    val_key = ("val-core/synthetic/reward/greedy@1" if args.val_metric == "greedy"
+               else f"val-core/synthetic/reward/mean@{args.val_n}")
+    overrides = [f"data.val_size={args.val_size}", f"trainer.val_n={args.val_n}", *args.overrides]
+    root = args.keep_runs or tempfile.mkdtemp(prefix="bench_allocation_")
+    results = {}
+    log(f"{args.config}: {args.steps} steps, modes {modes}, variants {variants}, {args.repeats} repeats; runs in {root}")
+    for rep in range(args.repeats):
+        for variant in variants:
+            for mode in modes:
+                run_dir = os.path.join(root, f"{mode}_{variant}_{rep}")
+                records = run_once(args.config, mode, variant, args.steps, args.val_every, run_dir, overrides)
+                results[(mode, variant, rep)] = summarise(records, val_key, targets)
+    lines = table(results, targets, val_key)
+    cmd = "python tools/bench_allocation.py " + " ".join(sys.argv[1:])
+    print("\n".join(lines))
+    if args.png:
+        plot(results, val_key, args.png)
+    if args.write_docs:
+        from docblock import replace_block
+        head = [f"Command: `{cmd}`", "",
+                f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; validation metric "
+                f"`{val_key}` on {args.val_size} held-out prompts every {args.val_every} steps.", ""]
+        replace_block(args.write_docs, args.doc_block, head + lines)
+
+
+if __name__ == "__main__":
+    main()
