@@ -7,6 +7,7 @@ every rollout the allocator counts is generated exactly once and the budget hold
 nothing to train on leaves the policy as it was; a resumed run makes the same decisions.
 The allocator's decision logic itself is tested in test_allocation.py.
 """
+import copy
 import json
 
 import pytest
@@ -27,7 +28,8 @@ BASE = ["data.train_batch_size=8", "rollout.n=4", "rollout.max_new_tokens=8", "a
 SWITCHES = {
     "backfill": ["rollout.backfill.enabled=true"],
     # success = the first character right (reward >= 0.1); 2 of 2 solved, 0 of 2 deferred; 12
-    # candidates for 8 groups, so surplus passers go to the replay buffer and fill later steps
+    # candidates whose pilots leave budget for 4 commits, so surplus passers go to the replay buffer
+    # (its fill rounds are tested in test_allocation.py)
     "pilot": ["rollout.pilot.enabled=true", "rollout.pilot.success_threshold=0.1", "rollout.pilot.p_upper=1.0",
               "rollout.pilot.num_candidates=12"],
 }
@@ -97,7 +99,7 @@ def test_switch_acts_and_every_counted_rollout_is_generated_once(sync_run):
     if name == "pilot":
         assert sum(h["pilot/committed"] for h in history) > 0
         assert sum(h["pilot/solved_dropped"] + h["pilot/deferred"] for h in history) > 0
-        assert sum(h["pilot/replayed"] for h in history) > 0
+        assert sum(h["pilot/replay_added"] for h in history) > 0      # surplus passers kept
     else:
         assert sum(h["rollout/backfilled"] for h in history) > 0
 
@@ -161,7 +163,7 @@ def test_padding_micro_batches_carry_no_loss(tmp_path):
     trained = [g for g in groups if g.size]
     assert 0 < len(trained) < len(groups)      # some positions stayed empty
     state = {n: p.detach().clone() for n, p in trainer.actor.policy.named_parameters()}
-    opt_state = trainer.actor.optimizer.state_dict()
+    opt_state = copy.deepcopy(trainer.actor.optimizer.inner.state_dict())
 
     padded = step_mod.train_batch(trainer.actor, GroupFeed(plan.train_sizes, iter(groups), None),
                                   trainer.cfg.actor, 0, 1, lambda g: None)
@@ -169,7 +171,7 @@ def test_padding_micro_batches_carry_no_loss(tmp_path):
     with torch.no_grad():
         for n, p in trainer.actor.policy.named_parameters():
             p.copy_(state[n])
-    trainer.actor.optimizer.load_state_dict(opt_state)
+    trainer.actor.optimizer.inner.load_state_dict(opt_state)
     exact = step_mod.train_batch(trainer.actor, GroupFeed({g.group_index: g.size for g in trained}, iter(trained),
                                                           None), trainer.cfg.actor, 0, 1, lambda g: None)
     for k in LOSS_KEYS:
