@@ -24,12 +24,11 @@ def test_records_are_deterministic_in_the_seed_and_well_formed() -> None:
     assert a != make_records(_task(size=500), seed=4)
     assert [r.index for r in a] == list(range(500))
     for r in a:
-        d, rest = r.prompt[0], r.prompt[1:]
-        n = len(rest) - 2
-        assert d.isdigit() and rest == ":" + "*" * n + "="
+        d, n = r.prompt[-2], len(r.prompt) - 3
+        assert d.isdigit() and r.prompt == "*" * n + ":" + d + "="
         assert r.answer == d * n == answer_for("long_tail", r.prompt[:-1])
         assert 1 <= n <= 40
-    assert answer_for("long_tail", "7:***") == "777"
+    assert answer_for("long_tail", "***:7") == "777"
     # a smaller tail limit caps the lengths
     assert max(len(r.answer) for r in make_records(_task(size=500, long_tail_max=5), seed=3)) <= 5
 
@@ -54,11 +53,13 @@ def test_target_lengths_are_long_tailed() -> None:
 
 
 @pytest.mark.parametrize("response, score", [
+    # n = 4: 0.1 + 0.2 * p / 4 + 0.2 * p / max(L, 4), p = common prefix, L = length
     ("7777", 1.0), (" 7777 ", 1.0),                          # exact (whitespace stripped)
     ("7", 0.2), ("77", 0.3), ("777", 0.4),                   # stopped early: share matched
-    ("77777", 0.4), ("777777", 0.3), ("7777777", 0.2),       # ran on: as costly as stopping early
-    ("7" * 48, 0.2),                                         # ran to the limit: first digit still counts
-    ("7377", 0.2), ("77737777", 0.2),                        # a wrong digit ends the match
+    ("77777", 0.46), ("7777777", 0.1 + 0.2 + 0.8 / 7),       # ran on: the sooner it stops, the more
+    ("7" * 48, 0.1 + 0.2 + 0.8 / 48),                        # ran to the limit: every digit still counts
+    ("7x" + "x" * 46, 0.1 + 0.05 + 0.2 / 48),                # the right digit, then junk: above a wrong digit
+    ("7377", 0.2), ("77737777", 0.1 + 0.15 + 0.6 / 8),       # a wrong digit ends the match
     ("3777", 0.1), ("0", 0.1),                               # wrong first digit: format credit
     ("", 0.0), ("x777", 0.0), ("*", 0.0), ("=7777", 0.0),    # no digit first
 ])
@@ -71,8 +72,13 @@ def test_reward_long_answer_and_one_digit_answers_unchanged() -> None:
     ans = "5" * 30
     assert compute_score(ans, ans) == 1.0
     assert compute_score("5" * 29, ans) == pytest.approx(0.1 + 0.4 * 29 / 30)
-    assert compute_score("5" * 31, ans) == pytest.approx(0.1 + 0.4 * 29 / 30)
-    assert compute_score("5" * 48, ans) == pytest.approx(0.1 + 0.4 * 12 / 30)
+    assert compute_score("5" * 31, ans) == pytest.approx(0.1 + 0.2 + 0.2 * 30 / 31)
+    assert compute_score("5" * 48, ans) == pytest.approx(0.1 + 0.2 + 0.2 * 30 / 48)
+    # stopping sooner after the answer, and matching more of it, both score higher
+    run_on = [compute_score("5" * k, ans) for k in range(31, 49)]
+    assert run_on == sorted(run_on, reverse=True)
+    short = [compute_score("5" * k, ans) for k in range(1, 30)]
+    assert short == sorted(short)
     # partial credit stays below 0.5 < 1.0: success is exact
     assert max(compute_score("5" * k, ans) for k in range(1, 49) if k != 30) < 0.5
     # one-character answers (next_digit, copy_last, sum_mod10, long_tail with n = 1): the old rule

@@ -1,4 +1,5 @@
-"""Rollout allocation and group sizing on the long_tail task, side by side.
+"""Rollout allocation and group sizing, side by side (allocation on the default next_digit job,
+which learns in a few hundred steps; group sizing on long_tail, whose lengths vary).
 
     python tools/bench_allocation.py [--config configs/long_tail.yaml] [--steps 150] [--modes sync,periodic]
                                      [--variants grpo,backfill,pilot] [--repeats 1] [--val-every 10]
@@ -12,11 +13,11 @@ same prompts for every variant - `critic/score/mean` would not do: pilot and bac
 groups are trained on, and pilot stops drawing solved prompts. Wall-clock is the sum of the steps'
 `timing_s/step` (validation excluded), rollouts the sum of `rollout/generated`.
 
-Variants: grpo (plain), backfill (rollout.backfill), pilot (rollout.pilot with success = at least half
-the answer right, reward >= 0.3: a random-init model never answers a long_tail prompt exactly, so
-the default success_threshold 1.0 would defer every prompt; 0.1, the first character, is met by
-nearly every sample within a few steps, so two successful pilots mark almost every prompt solved
-and the run starves), fixed4 / fixed8 / fixed16 (rollout.n)
+Variants: grpo (plain), backfill (rollout.backfill), pilot (rollout.pilot with success = reward
+>= 0.3: the right digit on next_digit, at least half the answer on long_tail. A random-init model
+rarely answers exactly, so the default success_threshold 1.0 defers nearly every prompt; on
+long_tail 0.1, the first character, is met by nearly every sample within a few steps, so two
+successful pilots mark almost every prompt solved and the run starves), fixed4 / fixed8 / fixed16 (rollout.n)
 and sagc (rollout.group_sizing: sagc from rollout.n = 8). Pilot and backfill are not combined: the
 configuration refuses it (a committed pilot always has varying rewards, so backfill never acts).
 
@@ -121,7 +122,7 @@ def table(results: dict, targets: list[float], val_key: str) -> list[str]:
     return lines
 
 
-def plot(results: dict, val_key: str, path: str) -> None:
+def plot(results: dict, val_key: str, path: str, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -138,7 +139,7 @@ def plot(results: dict, val_key: str, path: str) -> None:
         ax.set_ylabel(val_key)
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=8)
-    fig.suptitle("long_tail: held-out reward against rollouts and wall-clock")
+    fig.suptitle(f"{title}: held-out reward against rollouts and wall-clock")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     log(f"wrote {path}")
@@ -184,7 +185,7 @@ def main() -> None:
     cmd = "python tools/bench_allocation.py " + " ".join(sys.argv[1:])
     print("\n".join(lines))
     if args.png:
-        plot(results, val_key, args.png)
+        plot(results, val_key, args.png, os.path.splitext(os.path.basename(args.config))[0])
     if args.write_docs:
         from docblock import replace_block
         head = [f"Command: `{cmd}`", "",

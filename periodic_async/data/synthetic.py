@@ -7,11 +7,12 @@ simple function of ONE visible prompt token:
 - next_digit: prompt "4719=" -> answer "0" (the last digit plus one, mod 10).
 - copy_last:  prompt "4719=" -> answer "9".
 - sum_mod10:  prompt "4719=" -> answer "1" ((4+7+1+9) mod 10; harder, for longer runs).
-- long_tail:  prompt "7:***=" -> answer "777" (the digit, once per star). Long-tailed answer
+- long_tail:  prompt "***:7=" -> answer "777" (the digit, once per star). Long-tailed answer
   lengths, for benchmarks where response lengths matter (stragglers, pilot selection): the star
   count n is drawn from a truncated power law, P(n) ~ n ** -long_tail_alpha on 1..long_tail_max
   (defaults 1.5 and 40: p50 2, p90 ~13, p99 ~35 tokens, mean ~5; `long_tail_length_pmf`). The
-  digit is easy (the prompt's only digit, then repeat the last token); stopping after exactly n
+  digit is easy (the token just before "=", as in copy_last; at the start of the prompt, 4-43
+  tokens back, a random-init model often settled on "any digit" for 200+ steps); stopping after exactly n
   digits means comparing two counts, which is easy for n = 1, 2 and hard for n = 30, so per-prompt
   success rates spread out and a policy that has not learnt to stop runs long. num_digits is not
   used; prompts are n + 3 characters long, so data.max_prompt_length must be >= long_tail_max + 3.
@@ -30,9 +31,9 @@ TASKS = ("next_digit", "copy_last", "sum_mod10", "long_tail")
 
 
 def answer_for(task: str, digits: str) -> str:
-    """The answer to the prompt `digits` + "=" (long_tail: `digits` is the prompt body, "7:***")."""
+    """The answer to the prompt `digits` + "=" (long_tail: `digits` is the prompt body, "***:7")."""
     if task == "long_tail":
-        return digits[0] * digits.count("*")
+        return digits[-1] * digits.count("*")
     if task == "next_digit":
         return str((int(digits[-1]) + 1) % 10)
     if task == "copy_last":
@@ -59,7 +60,7 @@ def _long_tail_records(cfg: SyntheticTaskConfig, seed: int) -> list[PromptRecord
     counts = rng.choice(lengths, size=cfg.size, p=probs)
     records = []
     for i, (d, n) in enumerate(zip(digits, counts)):
-        body = f"{d}:" + "*" * int(n)
+        body = "*" * int(n) + f":{d}"
         records.append(PromptRecord(prompt=body + "=", answer=answer_for("long_tail", body), index=i))
     return records
 

@@ -6,12 +6,17 @@
 0.1   it starts with a wrong digit (format credit, so a random model gets a signal at once);
 0.0   anything else.
 
-A longer answer (long_tail: "777") generalises the middle two by how much of it is matched:
-0.1 + 0.4 * m / n, where n = len(answer), m = the length of the response's common prefix with the
-answer minus the characters it runs past the answer's end, at least 1 once the first character is
-right. So with answer "7777": "77" 0.3, "777" 0.4, "77777" 0.4, "7777777" 0.2, "7377" 0.2, "3777"
-0.1, "" or "x" 0.0. Running on is as costly as stopping early, and both approach 0.5 near the
-right length. For a one-character answer (the other tasks) this is exactly the rule above.
+A longer answer (long_tail: "777", n = len(answer) >= 2) is scored by how much of it is matched
+and how close to its length the response stops: with p = the length of the response's common
+prefix with the answer and L = len(response), 0.1 + 0.2 * p / n + 0.2 * p / max(L, n) once the
+first character is right. So with answer "7777": "7" 0.2, "77" 0.3, "777" 0.4, "77777" 0.46,
+"7" * 48 0.32, "7377" 0.2, "3777" 0.1, "" or "x" 0.0. Both terms give a random-init policy, whose
+responses run on, a signal from the first step: repeating the digit raises p, and stopping sooner
+raises the second term. (Counting the characters past the answer's end against the match instead
+gave a policy whose responses run to max_new_tokens the same reward for "7" + junk as for the
+whole answer + junk: no signal but the first digit, and random-init runs sat at "any digit",
+reward 0.10, for 200 steps.) Partial credit stays below 0.5, so every 1.0 is an exact answer.
+A one-character answer (the other tasks, long_tail with n = 1) keeps the rule above.
 """
 
 
@@ -33,8 +38,7 @@ def compute_score(response: str, answer: str) -> float:
         prefix += 1
     if prefix == 0:
         return 0.1 if text[:1].isdigit() else 0.0
-    matched = max(1, prefix - max(0, len(text) - n))
-    return 0.1 + 0.4 * matched / n
+    return 0.1 + 0.2 * prefix / n + 0.2 * prefix / max(len(text), n)
 
 
 def is_success(response: str, answer: str) -> bool:
