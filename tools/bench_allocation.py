@@ -45,6 +45,10 @@ VARIANTS = {
     "grpo": [],
     "backfill": ["rollout.backfill.enabled=true"],
     "pilot": ["rollout.pilot.enabled=true", "rollout.pilot.success_threshold=0.3"],
+    # 64 prompts piloted per step (2B at the configs' B = 32): 2B x n_pilot pilot rollouts leave
+    # B x (K - 2 n_pilot) of the B x K budget for commits, so more passers are found when most fail
+    "pilot2b": ["rollout.pilot.enabled=true", "rollout.pilot.success_threshold=0.3",
+                "rollout.pilot.num_candidates=64"],
     "fixed4": ["rollout.n=4"],
     "fixed8": ["rollout.n=8"],
     "fixed16": ["rollout.n=16"],
@@ -58,11 +62,19 @@ def log(msg: str) -> None:
 
 
 def run_once(config: str, mode: str, variant: str, steps: int, val_every: int, run_dir: str,
-             overrides: list[str]) -> list[dict]:
+             overrides: list[str], reuse: bool = False) -> list[dict]:
+    """One run's metrics records; with `reuse`, those of a finished run already in run_dir."""
     cmd = [sys.executable, "-m", "periodic_async", "--config", config, f"trainer.mode={mode}", *VARIANTS[variant],
            f"trainer.total_steps={steps}", f"trainer.run_dir={run_dir}", "trainer.progress_bar=false",
            "trainer.save_final=false", "trainer.tensorboard=false", "trainer.save_every=0",
            f"trainer.val_every={val_every}", *overrides]
+    done = os.path.join(run_dir, "metrics.jsonl")
+    if reuse and os.path.exists(done):
+        with open(done) as f:
+            records = [json.loads(line) for line in f]
+        if max((r.get("step", 0) for r in records), default=0) >= steps:
+            log(f"  {mode} {variant}: reusing {run_dir}")
+            return records
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
@@ -128,18 +140,21 @@ def plot(results: dict, val_key: str, path: str, title: str) -> None:
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     styles = {"sync": "--", "periodic": "-", "sync_split": ":"}
+    colours = {v: f"C{i}" for i, v in enumerate(dict.fromkeys(v for _, v, _ in results))}
     for (mode, variant, rep), s in results.items():
         c = s["curve"]
-        label = f"{variant} ({mode})" + (f" #{rep + 1}" if rep else "")
-        axes[0].plot([x[1] for x in c], [x[3] for x in c], styles.get(mode, "-"), marker=".", label=label)
-        axes[1].plot([x[2] for x in c], [x[3] for x in c], styles.get(mode, "-"), marker=".", label=label)
+        kw = dict(color=colours[variant], marker=".", alpha=1.0 if rep == 0 else 0.5,
+                  label=f"{variant} ({mode})" if rep == 0 else None)   # repeats: same colour, fainter
+        axes[0].plot([x[1] for x in c], [x[3] for x in c], styles.get(mode, "-"), **kw)
+        axes[1].plot([x[2] for x in c], [x[3] for x in c], styles.get(mode, "-"), **kw)
     axes[0].set_xlabel("rollouts generated")
     axes[1].set_xlabel("wall-clock s (training steps, validation excluded)")
     for ax in axes:
         ax.set_ylabel(val_key)
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=8)
-    fig.suptitle(f"{title}: held-out reward against rollouts and wall-clock")
+    fig.suptitle(f"{title}: held-out reward against rollouts and wall-clock "
+                 "(dashed: sync, solid: periodic, fainter: later repeats)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     log(f"wrote {path}")
@@ -162,6 +177,8 @@ def main() -> None:
     p.add_argument("--write-docs", default=None, help="put the table into this markdown file")
     p.add_argument("--doc-block", default="allocation-bench")
     p.add_argument("--keep-runs", default=None)
+    p.add_argument("--reuse-runs", action="store_true",
+                   help="with --keep-runs: read the runs already finished there instead of running them again")
     p.add_argument("overrides", nargs="*", help="key=value for every run")
     args = p.parse_args()
     modes, variants = args.modes.split(","), args.variants.split(",")
@@ -179,7 +196,8 @@ def main() -> None:
         for variant in variants:
             for mode in modes:
                 run_dir = os.path.join(root, f"{mode}_{variant}_{rep}")
-                records = run_once(args.config, mode, variant, args.steps, args.val_every, run_dir, overrides)
+                records = run_once(args.config, mode, variant, args.steps, args.val_every, run_dir, overrides,
+                                   reuse=args.reuse_runs)
                 results[(mode, variant, rep)] = summarise(records, val_key, targets)
     lines = table(results, targets, val_key)
     cmd = "python tools/bench_allocation.py " + " ".join(sys.argv[1:])
