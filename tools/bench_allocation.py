@@ -108,7 +108,10 @@ def summarise(records: list[dict], val_key: str, targets: list[float]) -> dict:
            "rollouts": sum(int(r.get("rollout/generated", 0)) for r in steps),
            "wall_s": sum(r["timing_s/step"] for r in steps),
            "straggler_rate": statistics.fmean(stragglers) if stragglers else float("nan"),
-           "group_size": statistics.fmean(r.get("sagc/group_size", r.get("rollout/group_size/mean", 0)) for r in steps),
+           # over the steps that trained on something (an empty step has no group size)
+           "group_size": statistics.fmean([r.get("sagc/group_size", r.get("rollout/group_size/mean", 0)) for r in steps
+                                           if r.get("training/empty_batch", 0) != 1] or [float("nan")]),
+           "empty_steps": sum(1 for r in steps if r.get("training/empty_batch", 0) == 1),
            "trainable": statistics.fmean(r.get("alloc/trainable_groups", float("nan")) for r in steps),
            "reach": {}}
     for t in targets:
@@ -121,7 +124,7 @@ def table(results: dict, targets: list[float], val_key: str) -> list[str]:
     head = ["mode", "variant", "repeat", "final val", "best val"]
     for t in targets:
         head += [f"steps to {t}", f"rollouts to {t}", f"wall s to {t}"]
-    head += ["rollouts", "wall s", "step s", "mean K", "trained groups / step", "straggler steps"]
+    head += ["rollouts", "wall s", "step s", "mean K", "trained groups / step", "empty steps", "straggler steps"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (mode, variant, rep), s in results.items():
         row = [mode, variant, str(rep + 1), f"{s['final']:.3f}", f"{s['best']:.3f}"]
@@ -129,7 +132,8 @@ def table(results: dict, targets: list[float], val_key: str) -> list[str]:
             hit = s["reach"][t]
             row += ["-", "-", "-"] if hit is None else [str(hit[0]), str(hit[1]), f"{hit[2]:.0f}"]
         row += [str(s["rollouts"]), f"{s['wall_s']:.0f}", f"{s['step_s']:.2f}", f"{s['group_size']:.1f}",
-                "-" if s["trainable"] != s["trainable"] else f"{s['trainable']:.1f}", f"{s['straggler_rate']:.0%}"]
+                "-" if s["trainable"] != s["trainable"] else f"{s['trainable']:.1f}", str(s["empty_steps"]),
+                f"{s['straggler_rate']:.0%}"]
         lines.append("| " + " | ".join(row) + " |")
     return lines
 
