@@ -11,8 +11,7 @@ simple function of ONE visible prompt token:
   lengths, for benchmarks where response lengths matter (stragglers, pilot selection): the star
   count n is drawn from a truncated power law, P(n) ~ n ** -long_tail_alpha on 1..long_tail_max
   (defaults 1.5 and 40: p50 2, p90 ~13, p99 ~35 tokens, mean ~5; `long_tail_length_pmf`). The
-  digit is easy (the token just before "=", as in copy_last; at the start of the prompt, 4-43
-  tokens back, a random-init model often settled on "any digit" for 200+ steps); stopping after exactly n
+  digit is the easy part (the token just before "=", as in copy_last); stopping after exactly n
   digits means comparing two counts, which is easy for n = 1, 2 and hard for n = 30, so per-prompt
   success rates spread out and a policy that has not learnt to stop runs long. num_digits is not
   used; prompts are n + 3 characters long, so data.max_prompt_length must be >= long_tail_max + 3.
