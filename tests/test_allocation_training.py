@@ -26,8 +26,8 @@ BASE = ["data.train_batch_size=8", "rollout.n=4", "rollout.max_new_tokens=8", "a
         "actor.kl_coef=0.1", "reward.num_workers=0", "actor.adam_eps=1e-4", "trainer.save_final=false",
         "trainer.progress_bar=false"]
 SWITCHES = {
-    # groups of 2: at random init about a third have equal rewards (0.0 / 0.1), so backfill acts
-    # in every run (with 4, equal groups are rare enough that 3 steps may see none)
+    # groups of 2: at random init rewards are mostly 0.0 or 0.1, so many pairs are equal and
+    # backfill acts in every run (with 4, one run of 3 steps saw none)
     "backfill": ["rollout.backfill.enabled=true", "rollout.n=2"],
     # success = the first character right (reward >= 0.1); 2 of 2 solved, 0 of 2 deferred; 12
     # candidates whose pilots leave budget for 4 commits, so surplus passers go to the replay buffer

@@ -64,10 +64,6 @@ def log(msg: str) -> None:
 def run_once(config: str, mode: str, variant: str, steps: int, val_every: int, run_dir: str,
              overrides: list[str], reuse: bool = False) -> list[dict]:
     """One run's metrics records; with `reuse`, those of a finished run already in run_dir."""
-    cmd = [sys.executable, "-m", "periodic_async", "--config", config, f"trainer.mode={mode}", *VARIANTS[variant],
-           f"trainer.total_steps={steps}", f"trainer.run_dir={run_dir}", "trainer.progress_bar=false",
-           "trainer.save_final=false", "trainer.tensorboard=false", "trainer.save_every=0",
-           f"trainer.val_every={val_every}", *overrides]
     done = os.path.join(run_dir, "metrics.jsonl")
     if reuse and os.path.exists(done):
         with open(done) as f:
@@ -75,6 +71,10 @@ def run_once(config: str, mode: str, variant: str, steps: int, val_every: int, r
         if max((r.get("step", 0) for r in records), default=0) >= steps:
             log(f"  {mode} {variant}: reusing {run_dir}")
             return records
+    cmd = [sys.executable, "-m", "periodic_async", "--config", config, f"trainer.mode={mode}", *VARIANTS[variant],
+           f"trainer.total_steps={steps}", f"trainer.run_dir={run_dir}", "trainer.progress_bar=false",
+           "trainer.save_final=false", "trainer.tensorboard=false", "trainer.save_every=0",
+           f"trainer.val_every={val_every}", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
