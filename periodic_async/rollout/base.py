@@ -51,8 +51,17 @@ class RolloutResult:
     response_ids: list[int]       # includes the stop token when one was produced
     logprobs: list[float]         # log pi(token) under the sampling temperature, one per response token
     finish_reason: str            # "stop" | "length"
+    # the version of the weights that produced the response's FIRST token (its oldest: the one
+    # the staleness rule judges); every token's own version is in token_versions
     policy_version: int
     timings: dict = field(default_factory=dict)
+    # the version that produced each response token, when a weight update interrupted the
+    # response (`RolloutEngine.interruptible`); None: every token is policy_version's
+    token_versions: list[int] | None = None
+
+    def versions(self) -> list[int]:
+        """The version that produced each response token."""
+        return list(self.token_versions) if self.token_versions is not None else [self.policy_version] * len(self.response_ids)
 
 
 def sample_seed(request_seed: int, sample_index: int) -> int:
@@ -68,10 +77,14 @@ class RolloutEngine(abc.ABC):
     once no more will come) and reports the number of sequences in flight with on_slots(n); it
     ends when nothing is pending or running and poll() returned None. generate(requests) is the
     same for a fixed set of requests (the colocated `sync` mode). update_weights(named_tensors,
-    version) loads HF-layout tensors (streamed, one at a time) and tags later results with
-    `version`; it is called between batches, never with requests in flight."""
+    version) loads HF-layout tensors (streamed, one at a time) and tags later tokens with
+    `version`. An engine with `interruptible = True` accepts it from inside `poll()` with requests
+    in flight: the in-flight sequences continue under the new weights (their KV cache recomputed)
+    and their results carry per-token versions; any other engine is only updated with nothing in
+    flight (the rollout worker drains it first)."""
 
     policy_version: int = 0
+    interruptible: bool = False
 
     @abc.abstractmethod
     def serve(self, poll: Callable[[], list[RolloutRequest] | None], initial: Iterable[RolloutRequest] = (),

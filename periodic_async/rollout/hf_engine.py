@@ -21,6 +21,12 @@ place instead of copying the cache).
 Log-probs are those of the full (unfiltered) distribution at the sampling temperature, which the
 trainer recomputes (temperature 0: at temperature 1).
 
+Interruptible: new weights may arrive from inside `poll()` while sequences are in flight (the
+`async` training mode). The engine then recomputes the KV cache of every in-flight sequence (its
+prompt and the tokens sampled so far, under the new weights) before the next decode step, and
+records per token the version that sampled it, so each logprob is the one of the weights that
+produced its token.
+
 `reference_generate` is the slow, simple path the engine is tested against: one sequence alone,
 a full forward over its tokens so far at every step, the same uniforms.
 """
@@ -186,6 +192,7 @@ class _Seq:
     slot: int = -1
     out_ids: list[int] = field(default_factory=list)
     out_lp: list[float] = field(default_factory=list)
+    out_versions: list[int] = field(default_factory=list)   # the weights' version of each token
     t_start: float = 0.0
     reason: str = "length"
     stops: frozenset = frozenset()      # stop tokens and EOS
@@ -300,6 +307,8 @@ class _Batch:
 
 
 class HFRolloutEngine(RolloutEngine):
+    interruptible = True
+
     def __init__(self, model_dir: str, pad_token_id: int, eos_token_id: int | None,
                  max_slots: int = 256, device: str | torch.device = "cpu",
                  attn_implementation: str = "sdpa"):
@@ -311,6 +320,7 @@ class HFRolloutEngine(RolloutEngine):
         self.eos_token_id = eos_token_id
         self.max_slots = max_slots
         self.policy_version = 0
+        self._cache_stale = False       # weights changed under in-flight sequences
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
@@ -327,6 +337,7 @@ class HFRolloutEngine(RolloutEngine):
         if missing:
             raise KeyError(f"rollout weight sync: no tensor received for {sorted(missing)[:5]}")
         self.policy_version = version
+        self._cache_stale = True
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -349,9 +360,14 @@ class HFRolloutEngine(RolloutEngine):
         admit(initial)
         free_slots = list(range(self.max_slots - 1, -1, -1))   # a stack: lowest slot number first
         batch: _Batch | None = None
+        self._cache_stale = False
         while True:
             new = poll()
             admit(new)
+            if self._cache_stale:       # new weights under in-flight sequences (interruptible)
+                if batch is not None:
+                    self._recompute_cache(batch)
+                self._cache_stale = False
             joining: list[_Seq] = []
             if pending and free_slots:
                 now = time.perf_counter()
@@ -391,6 +407,7 @@ class HFRolloutEngine(RolloutEngine):
             for i, (seq, t, l) in enumerate(zip(batch.rows, host[0].long().tolist(), host[1].tolist())):
                 seq.out_ids.append(t)
                 seq.out_lp.append(l)
+                seq.out_versions.append(self.policy_version)
                 if t in seq.stops:
                     seq.reason = "stop"
                     finished.append(seq)
@@ -420,6 +437,30 @@ class HFRolloutEngine(RolloutEngine):
         b.cache = out.past_key_values
         b.pos = b.pos + 1
         return out.logits[:, -1, :].float()
+
+    def _recompute_cache(self, b: _Batch) -> None:
+        """Rebuild b's KV cache under the current weights: each row's prompt and its sampled tokens
+        except the last (which is next_ids, fed by the next decode step), left-padded. Positions,
+        uniforms, steps and next_ids are unchanged, so sampling continues where it stopped."""
+        seqs = [list(s.request.prompt_ids) + s.out_ids[:-1] for s in b.rows]
+        lens = [len(x) for x in seqs]
+        width = max(lens)
+        ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, x in enumerate(seqs):
+            ids[i, width - lens[i]:] = torch.tensor(x)
+            attn[i, width - lens[i]:] = 1
+        ids, attn = ids.to(self.device), attn.to(self.device)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        from transformers import DynamicCache
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=DynamicCache(),
+                         use_cache=True, logits_to_keep=1)
+        room = _room(b.rows)
+        b.cache = _roomy_cache([_RoomyLayer(_RoomyLayer.stack([layer.keys], width, room),
+                                            _RoomyLayer.stack([layer.values], width, room), width)
+                                for layer in out.past_key_values.layers])
+        b.attn = attn
+        # b.pos (each row's next position = its cached length) is unchanged
 
     def _prefill(self, seqs: list[_Seq]) -> tuple[_Batch, torch.Tensor]:
         """Prefill the distinct prompts of `seqs` once (left-padded) and repeat their KV rows to one
@@ -460,10 +501,13 @@ class HFRolloutEngine(RolloutEngine):
 
     def _result(self, seq: _Seq, t_end: float) -> RolloutResult:
         r = seq.request
+        versions = seq.out_versions
+        mixed = len(set(versions)) > 1
         return RolloutResult(group_index=r.group_index, sample_index=seq.k, prompt_ids=list(r.prompt_ids),
                              response_ids=seq.out_ids, logprobs=seq.out_lp, finish_reason=seq.reason,
-                             policy_version=self.policy_version,
-                             timings={"start": seq.t_start, "end": t_end, "slot": seq.slot})
+                             policy_version=versions[0] if versions else self.policy_version,
+                             timings={"start": seq.t_start, "end": t_end, "slot": seq.slot},
+                             token_versions=list(versions) if mixed else None)
 
     def generate_reference(self, requests: list[RolloutRequest]) -> list[RolloutResult]:
         """`generate` the slow, simple way (`reference_generate`, one sequence at a time), for tests."""
