@@ -38,7 +38,9 @@ def ess_ratio(rho_sum: float, rho_sq_sum: float, num_sequences: float) -> float:
     """ESS / N in [1/N, 1] (`vcpo/ess_ratio`); 1.0 for an empty batch (nothing to down-weight)."""
     if num_sequences <= 0:
         return 1.0
-    return ess_from_sums(rho_sum, rho_sq_sum) / num_sequences
+    # ESS <= N (Cauchy-Schwarz); the sums come from fp32 tensors, whose rounding can put equal
+    # ratios a few ulps above it
+    return min(1.0, ess_from_sums(rho_sum, rho_sq_sum) / num_sequences)
 
 
 def lr_scale(ratio: float, floor: float = 0.0) -> float:

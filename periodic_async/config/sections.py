@@ -235,8 +235,11 @@ class RewardConfig:
 class TrainerConfig:
     # periodic: overlap generation and training, weights synced at batch boundaries (on-policy);
     # sync: generate then train, rollout engine in the trainer process (colocated baseline);
-    # sync_split: generate then train, on the same worker/trainer split as periodic.
+    # sync_split: generate then train, on the same worker/trainer split as periodic;
+    # async: bounded staleness - batch b starts generating once the workers hold version
+    # b - 1 - max_staleness, and new weights reach the workers mid-generation (docs/async.md).
     mode: str = "periodic"
+    max_staleness: int = 0      # async: eta, the most versions a consumed sample's first token may lag
     total_steps: int = 300
     run_dir: str = "runs/default"
     seed: int = 1

@@ -59,7 +59,8 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
     _choice("actor.kl_type", cfg.actor.kl_type, ("low_var_kl", "kl", "mse"))
     _choice("actor.loss_agg_mode", cfg.actor.loss_agg_mode, ("token-mean", "seq-mean-token-mean"))
     _choice("reward.name", cfg.reward.name, ("synthetic", "gsm8k", "custom"))
-    _choice("trainer.mode", cfg.trainer.mode, ("periodic", "sync", "sync_split"))
+    _choice("trainer.mode", cfg.trainer.mode, ("periodic", "sync", "sync_split", "async"))
+    _check_async(cfg)
     _choice("actor.frozen_dtype", cfg.actor.frozen_dtype, ("same", "bfloat16"))
     _positive("actor.ppo_epochs", cfg.actor.ppo_epochs)
     if cfg.actor.frozen_dtype != "same" and cfg.actor.ppo_epochs > 1 and cfg.actor.old_logp_shortcut:
@@ -232,3 +233,25 @@ def _choice(key: str, value: Any, allowed: tuple) -> None:
 def _positive(key: str, value: int) -> None:
     if value < 1:
         raise ConfigError(f"{key}: must be >= 1, got {value}")
+
+
+def _check_async(cfg) -> None:
+    """trainer.mode async (bounded staleness) and trainer.max_staleness."""
+    eta = cfg.trainer.max_staleness
+    if not isinstance(eta, int) or isinstance(eta, bool) or eta < 0:
+        raise ConfigError(f"trainer.max_staleness: must be an integer >= 0, got {eta!r}")
+    if cfg.trainer.mode != "async":
+        if eta:
+            raise ConfigError(f"trainer.max_staleness: {eta} needs trainer.mode async (mode "
+                              f"'{cfg.trainer.mode}' is strictly on-policy)")
+        return
+    # what the async producer does not do (yet): each named so that the user knows which to drop
+    if cfg.rollout.pilot.enabled or cfg.rollout.backfill.enabled:
+        raise ConfigError("rollout.pilot / rollout.backfill: not supported with trainer.mode async (the "
+                          "allocator decides within one policy version); use mode periodic")
+    if cfg.rollout.group_sizing != "fixed":
+        raise ConfigError(f"rollout.group_sizing: '{cfg.rollout.group_sizing}' is not supported with trainer.mode "
+                          "async; use fixed")
+    if cfg.rollout.weight_sync != "shm" or cfg.rollout.remote_workers:
+        raise ConfigError("rollout.weight_sync: trainer.mode async updates the workers while they generate, "
+                          "through the shared-memory buffer only (weight_sync: shm, no remote_workers)")

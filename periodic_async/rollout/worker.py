@@ -136,8 +136,12 @@ def _worker_main(wid: int, settings: WorkerSettings, placement: dict, inbox, out
     rng = random.Random(wid * 7919 + version)
     state = {"active": 0, "update": None, "stop": False}
 
+    held: list[RolloutRequest] = []     # requests that arrived after a pending update (drained engine)
+
     def poll():
-        """New requests since the last decode step; applies a weight update once idle."""
+        """New requests since the last decode step, and weight updates: an interruptible engine
+        takes them at once (its in-flight sequences continue under the new weights); any other
+        is drained first - requests that arrive meanwhile wait until it has the new weights."""
         new: list[RolloutRequest] = []
         idle = state["active"] == 0
         while True:
@@ -146,17 +150,19 @@ def _worker_main(wid: int, settings: WorkerSettings, placement: dict, inbox, out
             except queue.Empty:
                 break
             if msg[0] == "generate":
-                new.extend(msg[1])
+                (held if state["update"] is not None and not engine.interruptible else new).extend(msg[1])
             elif msg[0] == "update":
                 state["update"] = msg[1]
             elif msg[0] == "stop":
                 state["stop"] = True
                 break
-        if state["update"] is not None and idle and not new:
+        if state["update"] is not None and (engine.interruptible or (idle and not new)):
             v = state["update"]
             engine.update_weights(_views(buf, layout) if sync is None else receive(), v)
             state["update"] = None
             outbox.send(("updated", wid, v))
+            new += held
+            held.clear()
         if state["stop"] and idle and not new:
             return None
         return new
@@ -255,6 +261,17 @@ class WorkerPool:
         self._listener = None
         self._closed = False
         self._stash: list = []                                # results received while awaiting acks
+        # Updates while workers generate (trainer.mode async): the trainer thread writes the
+        # buffer and posts the version (`post_weights`); the thread that reads the workers'
+        # messages (`poll`) collects the acks. The lock keeps a write and a worker (re)start, which
+        # reads the buffer, apart; `_acked` is set once every worker holds `applied_version`.
+        import threading
+        self._lock = threading.RLock()
+        self._acked = threading.Event()
+        self._acked.set()
+        self._awaiting: set[int] = set()
+        self.applied_version = initial_version
+        self._next_check = 0.0
         if initial_weights is not None:
             self._write_buffer(initial_weights)
         self._pairs: dict[int, object] = {}                   # broadcast sync: wid -> pair group
@@ -434,6 +451,12 @@ class WorkerPool:
     def _handle_side_message(self, msg) -> None:
         if msg[0] == "error":
             raise WorkerError(msg[2])
+        if msg[0] in ("updated", "ready") and self._awaiting and msg[-1] == self.version:
+            with self._lock:      # an ack of a posted update (a restarted worker starts with it)
+                self._awaiting.discard(msg[1])
+                if not self._awaiting:
+                    self.applied_version = self.version
+                    self._acked.set()
         if msg[0] == "placed":
             self.placed[msg[1]] = msg[2]
         elif msg[0] == "ready":
@@ -509,29 +532,44 @@ class WorkerPool:
 
     def results(self) -> Iterator[RolloutResult]:
         """Results of everything dispatched, as they arrive, each exactly once."""
-        next_check = time.monotonic() + 0.2
         while self._owner or self._pending:
-            if time.monotonic() >= next_check:   # also while other workers keep the queue busy
-                self._check_health()
-                next_check = time.monotonic() + 0.2
-            msg = self._stash.pop(0) if self._stash else self._recv(0.2)
-            if msg is None:
-                continue
-            self._handle_side_message(msg)
-            if msg[0] != "results":
-                continue
-            wid = msg[1]
-            for r in msg[2]:
-                key = (r.group_index, r.sample_index)
-                if self._owner.get(key) is None or not self.staleness.admit(r.policy_version, self.version):
-                    self.dropped_results += 1     # a late duplicate, or from a policy the rule refuses
-                    continue
-                del self._owner[key]
-                self._workers[wid].last_progress = time.monotonic()
-                yield r
+            yield from self.poll(0.2)
         self._requests.clear()
         self.dropped_results += sum(len(m[2]) for m in self._stash)   # duplicates of delivered samples
         self._stash.clear()
+
+    def poll(self, timeout: float = 0.2) -> list[RolloutResult]:
+        """One round: a health check every 0.2 s (restarts, re-dispatch), then the next message
+        from any worker (waiting up to `timeout` s); returns the new results it delivered (each
+        sample once, late duplicates and refused versions dropped)."""
+        if time.monotonic() >= self._next_check:   # also while other workers keep the pipes busy
+            self._check_health()
+            self._next_check = time.monotonic() + 0.2
+        msg = self._stash.pop(0) if self._stash else self._recv(timeout)
+        if msg is None:
+            return []
+        self._handle_side_message(msg)
+        if msg[0] != "results":
+            return []
+        wid, out = msg[1], []
+        for r in msg[2]:
+            key = (r.group_index, r.sample_index)
+            if self._owner.get(key) is None or not self.staleness.admit(r.policy_version, self.version):
+                self.dropped_results += 1     # a late duplicate, or from a policy the rule refuses
+                continue
+            del self._owner[key]
+            self._workers[wid].last_progress = time.monotonic()
+            out.append(r)
+        return out
+
+    def forget(self, group_index: int) -> None:
+        """Every sample of `group_index` is delivered: drop its request (kept for re-dispatch)."""
+        self._requests.pop(group_index, None)
+
+    @property
+    def outstanding(self) -> int:
+        """Samples dispatched and not yet delivered."""
+        return len(self._owner) + sum(len(r.samples()) for r in self._pending)
 
     def _check_health(self) -> None:
         now = time.monotonic()
@@ -546,9 +584,10 @@ class WorkerPool:
             stuck = owed and now - h.last_progress > self.worker_timeout_s
             if not (dead or stuck):
                 continue
-            self._restart(wid, "died" if dead else f"made no progress for {self.worker_timeout_s:.0f} s")
-            if not h.remote:
-                self._await("ready", {wid}, self.startup_timeout_s)
+            with self._lock:    # a (re)starting worker reads the weights buffer
+                self._restart(wid, "died" if dead else f"made no progress for {self.worker_timeout_s:.0f} s")
+                if not h.remote:
+                    self._await("ready", {wid}, self.startup_timeout_s)
             by_group: dict[int, list[int]] = {}
             for g, k in owed:
                 by_group.setdefault(g, []).append(k)
@@ -582,6 +621,26 @@ class WorkerPool:
                     self._restart(wid, f"failed during the weight broadcast ({e})")
         self._await("updated", {wid for wid, h in enumerate(self._workers) if not h.remote or h.reader is not None},
                     self.startup_timeout_s, version=version)
+        self.applied_version = version
+
+    def post_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Asynchronous update (trainer.mode async; the shm sync only): once every worker holds the
+        previous posted version, write these weights into the buffer and tell every worker; returns
+        without waiting for them. Workers take the update between two decode steps (an
+        interruptible engine) or once drained; `poll`, on the thread that reads the workers,
+        collects the acks and advances `applied_version`."""
+        if self.settings.weight_sync != "shm":
+            raise ValueError("post_weights: asynchronous updates need weight_sync 'shm'")
+        if not self._acked.wait(self.startup_timeout_s):
+            raise WorkerError(f"rollout workers {sorted(self._awaiting)} did not take weights version {self.version} "
+                              f"within {self.startup_timeout_s:.0f} s")
+        with self._lock:
+            self._write_buffer(named_tensors)
+            self.version = version
+            self._awaiting = {wid for wid, h in enumerate(self._workers) if h.inbox is not None}
+            self._acked.clear()
+            for wid in self._awaiting:
+                self._workers[wid].inbox.put(("update", version))
 
     def _write_buffer(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy a full set of HF-layout tensors into the shared buffer (all names of the layout)."""

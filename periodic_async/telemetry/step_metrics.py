@@ -73,12 +73,20 @@ def overlap_metrics(gen_interval: tuple[float, float], train_intervals) -> dict:
 
 def throughput_metrics(groups, step_s: float, num_devices: int, trainer_version: int) -> dict:
     """Tokens (prompt + response per sample) per second per device of the whole job, and the
-    samples' staleness (trainer version - 1 - generating version: 0 when strictly on-policy)."""
-    n_tokens = sum(len(r.prompt_ids) + len(r.response_ids) for g in groups for r in g.results)
-    staleness = [trainer_version - 1 - r.policy_version for g in groups for r in g.results]
+    samples' staleness: trainer_version - 1 (the version trained at) - the generating version, 0
+    when strictly on-policy. Per sequence (`trajectory_staleness`) that is its first token's
+    version, the oldest; per token (`rollout/token_staleness`) each token's own (a response that
+    a weight update interrupted has several: `rollout/interrupted_ratio` of them)."""
+    results = [r for g in groups for r in g.results]
+    n_tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in results)
+    staleness = [trainer_version - 1 - r.policy_version for r in results]
+    token_staleness = [trainer_version - 1 - v for r in results for v in r.versions()]
     return {
         "perf/total_num_tokens": n_tokens,
         "perf/throughput": n_tokens / step_s / num_devices,
         "training/off_policy/trajectory_staleness/mean": float(statistics.fmean(staleness)) if staleness else 0.0,
         "training/off_policy/trajectory_staleness/max": float(max(staleness)) if staleness else 0.0,
+        "rollout/token_staleness/mean": float(statistics.fmean(token_staleness)) if token_staleness else 0.0,
+        "rollout/interrupted_ratio": (sum(r.token_versions is not None for r in results) / len(results)
+                                      if results else 0.0),
     }

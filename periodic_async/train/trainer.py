@@ -8,8 +8,12 @@
 - sync_split: the same worker/trainer split, but training starts after the whole batch is
   generated (the fair baseline for periodic).
 - sync: the rollout engine lives in the trainer process (colocated baseline).
+- async: bounded staleness (trainer.max_staleness = eta). The producer dispatches batch b as soon
+  as the workers hold version b - 1 - eta, so generation runs up to eta batches ahead of training;
+  new weights are posted without waiting and reach the workers mid-generation (every token tagged
+  with its version). Batch b is still trained at step b, at version b - 1. eta = 0 is periodic.
 
-The three are the same computation (train/step.py says why). Every rank runs this loop; rank 0
+The first three are the same computation (train/step.py says why); async is too at eta = 0. Every rank runs this loop; rank 0
 owns the rollout side and the reward workers and feeds every group to the other ranks
 (train/feed.py).
 """
@@ -28,7 +32,7 @@ from ..models.mcore import arch_from_hf_dir
 from ..models.tiny import tiny_arch
 from ..rollout.base import SamplingParams
 from ..scheduling.scorer import reward_fault_summary
-from ..scheduling.staleness import STRICT
+from ..scheduling.staleness import STRICT, StalenessRule
 from ..telemetry import step_metrics
 from ..telemetry.logger import MetricsLogger
 from ..telemetry.timeline import Timeline
@@ -94,7 +98,7 @@ class Trainer:
         self.prompts = prompts.build(cfg.data, self.tokenizer, where=f"the tokenizer of {self.model_dir}")
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.eos_id = self.tokenizer.eos_token_id
-        self.staleness = STRICT
+        self.staleness = StalenessRule(cfg.trainer.max_staleness) if cfg.trainer.mode == "async" else STRICT
         self.actor = TriModelActor(cfg.actor, self.arch, self.model_dir, cfg.model.dtype, self.device,
                                    temperature=cfg.rollout.temperature or 1.0,
                                    with_reference=cfg.actor.uses_reference,
@@ -167,8 +171,12 @@ class Trainer:
         """A checkpoint of the state after `step` (collective: every rank calls it)."""
         from .checkpoint import save_checkpoint
         sizer = self.planner.group_sizer if self.planner is not None else None
+        loader = None
+        if self.planner is not None:     # async: the loader as it was before batch step + 1 (in flight)
+            loader = (self.producer.loader_state(step) if hasattr(self.producer, "loader_state")
+                      else self.planner.loader.state_dict())
         meta = {"version": self.version, "layout": self._layout(), "nonfinite_in_a_row": self.nonfinite_in_a_row,
-                "loader": self.planner.loader.state_dict() if self.planner is not None else None,
+                "loader": loader,
                 "group_sizer": sizer.state_dict() if hasattr(sizer, "state_dict") else None,
                 "allocator": (self.planner.allocator.state_dict()
                               if self.planner is not None and self.planner.allocator is not None else None),
@@ -231,7 +239,7 @@ class Trainer:
         """initial: the policy's HF-layout (name, tensor) stream (version 0) for the workers; the
         pool consumes it whole before it starts them."""
         from ..reward.manager import RewardManager
-        from ..scheduling.producer import ColocatedProducer, WorkerProducer
+        from ..scheduling.producer import AsyncProducer, ColocatedProducer, WorkerProducer
         from ..scheduling.scorer import Scorer
         cfg = self.cfg
         self.reward = RewardManager(cfg.reward)
@@ -254,6 +262,9 @@ class Trainer:
                           cfg.rollout.worker_timeout_s, initial_weights=initial, staleness=self.staleness,
                           remote_workers=cfg.rollout.remote_workers, remote_address=cfg.rollout.remote_address,
                           initial_version=self.version)
+        if cfg.trainer.mode == "async":
+            return AsyncProducer(pool, scorer, self.planner, self.staleness, first_step=self.start_step + 1,
+                                 last_step=cfg.trainer.total_steps, prompt_counts=self.prompts.pop_counts)
         return WorkerProducer(pool, scorer, cfg.rollout.queue_size, wait_for_batch=cfg.trainer.mode == "sync_split")
 
     def _tokenize_prompt(self, record) -> list[int] | None:
@@ -268,7 +279,10 @@ class Trainer:
         cfg = self.cfg
         t_step = time.perf_counter()
         sizes = groups = None
-        if self.rank == 0:
+        if self.rank == 0 and cfg.trainer.mode == "async":
+            plan, prompt_counts = self.producer.batch(step)     # dispatched ahead, within the bound
+            sizes, groups = plan.train_sizes, self.producer.groups(step)
+        elif self.rank == 0:
             plan = self.planner.plan(step)
             prompt_counts = self.prompts.pop_counts()   # this batch's skipped / truncated prompts
             self.producer.start(plan)
@@ -332,7 +346,7 @@ class Trainer:
 
     def sync_weights(self) -> None:
         """Stream the new policy (HF layout) to the rollout side as version t+1; returns once
-        every engine holds it."""
+        every engine holds it (async: once it is in the workers' buffer and posted to them)."""
         self.version += 1
         named = self.actor.export_weights()
         if self.producer is not None:
