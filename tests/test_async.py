@@ -161,3 +161,55 @@ def test_async_trains_the_prompts_of_the_periodic_schedule(async_run, tmp_path):
     _run(tmp_path, "periodic", "trainer.total_steps=6", hook=lambda t: _record_prompts(t, periodic))
     key = lambda x: (x[0], x[1])  # noqa: E731 - completion order differs within a step
     assert sorted(seen, key=key) == sorted(periodic, key=key)
+
+
+def test_worker_killed_while_taking_an_update_loses_nothing(tmp_path):
+    """Worker 0 is SIGKILLed right after version 2 is posted, while it generates ahead: it is
+    restarted once (with version 2 from the buffer, which counts as its acknowledgement), its
+    owed samples are re-dispatched, and every step still trains 8 full groups within the bound."""
+    killed = {}
+
+    def hook(trainer):
+        post = trainer.producer.update_weights
+
+        def killing_post(named, version):
+            post(named, version)
+            if version == 2 and not killed:
+                killed["pid"] = trainer.producer.pool.pids()[0]
+                trainer.producer.pool.kill_worker(0)
+        trainer.producer.update_weights = killing_post
+    trainer, history, _ = _run(tmp_path, "async", *ASYNC, "rollout.worker_timeout_s=30", hook=hook)
+    assert killed, "the hook never ran"
+    assert len(history) == 6 and history[-1]["rollouter/restarts"] == 1
+    assert all(h["rollout/generated"] == 32 and h["training/off_policy/trajectory_staleness/max"] <= 2
+               for h in history)
+
+
+def test_resumed_async_run_loses_and_repeats_no_prompt(async_run, tmp_path):
+    """Stopped after step 3 (batches 4 and 5 in flight, eta = 2) and resumed: the checkpoint holds
+    the loader as it was before batch 4 was planned, so the resumed run re-plans batches 4.. and
+    the two runs together train exactly the uninterrupted run's prompts, step by step."""
+    from periodic_async.train.stop import STOP
+    _, _, want = async_run
+    first = []
+
+    def stop_after_3(trainer):
+        _record_prompts(trainer, first)
+        step = trainer.step
+
+        def stopping(s):
+            out = step(s)
+            if s == 3:
+                STOP.requested = True
+            return out
+        trainer.step = stopping
+    try:
+        with pytest.raises(KeyboardInterrupt, match="stopped after step 3"):
+            _run(tmp_path, "async", *ASYNC, "trainer.save_every=0", hook=stop_after_3)
+    finally:
+        STOP.requested = False
+    second = []
+    _, history, _ = _run(tmp_path, "async", *ASYNC, hook=lambda t: _record_prompts(t, second))
+    assert len(history) == 3
+    key = lambda x: (x[0], x[1])  # noqa: E731 - completion order differs within a step
+    assert sorted(first + second, key=key) == sorted(want, key=key)
