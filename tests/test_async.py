@@ -166,7 +166,8 @@ def test_async_trains_the_prompts_of_the_periodic_schedule(async_run, tmp_path):
 def test_worker_killed_while_taking_an_update_loses_nothing(tmp_path):
     """Worker 0 is SIGKILLed right after version 2 is posted, while it generates ahead: it is
     restarted once (with version 2 from the buffer, which counts as its acknowledgement), its
-    owed samples are re-dispatched, and every step still trains 8 full groups within the bound."""
+    owed samples are re-dispatched, and every step still trains 8 full groups within the bound.
+    (With VCPO's importance-weighted baseline, applied in the loss over whole groups.)"""
     killed = {}
 
     def hook(trainer):
@@ -178,7 +179,8 @@ def test_worker_killed_while_taking_an_update_loses_nothing(tmp_path):
                 killed["pid"] = trainer.producer.pool.pids()[0]
                 trainer.producer.pool.kill_worker(0)
         trainer.producer.update_weights = killing_post
-    trainer, history, _ = _run(tmp_path, "async", *ASYNC, "rollout.worker_timeout_s=30", hook=hook)
+    trainer, history, _ = _run(tmp_path, "async", *ASYNC, "rollout.worker_timeout_s=30",
+                               "algo.adv_estimator=vcpo_baseline", "actor.micro_batch_size=8", hook=hook)
     assert killed, "the hook never ran"
     assert len(history) == 6 and history[-1]["rollouter/restarts"] == 1
     assert all(h["rollout/generated"] == 32 and h["training/off_policy/trajectory_staleness/max"] <= 2

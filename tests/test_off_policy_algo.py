@@ -291,3 +291,49 @@ def test_actor_decoupled_ppo_and_vcpo_lr_scale(tmp_path, megatron_tp1):
     reference.optimizer_step()
     for a, b in zip(stale.policy.parameters(), reference.policy.parameters()):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------- the baseline in the loss
+
+
+def test_min_variance_advantages_on_tensors_equal_the_float_estimator():
+    """Rows of 3 groups in mixed order (as a micro-batch may hold them): A = R - b*_g, the same as
+    the torch-free estimator on each group's own rewards and ratios; a group whose ratios are all 0
+    falls back to its mean."""
+    rewards = torch.tensor([1.0, 0.0, 0.3, 0.0, 1.0, 0.9, 0.5, 0.2])
+    groups = torch.tensor([7, 7, 2, 7, 7, 2, 4, 4])
+    rho = torch.tensor([3.0, 1.0, 0.7, 1.0, 1.0, 0.2, 0.0, 0.0])
+    got = algo.losses.min_variance_advantages(rewards, groups, rho)
+    want = torch.zeros(8)
+    for g in (7, 2, 4):
+        idx = (groups == g).nonzero()[:, 0]
+        (adv,) = compute_advantages("vcpo_baseline", [rewards[idx].tolist()], group_rhos=[rho[idx].tolist()])
+        want[idx] = torch.tensor(adv)
+    torch.testing.assert_close(got, want)
+    assert got[:2].tolist() == pytest.approx([1 / 3, -2 / 3]) and got[6:].tolist() == pytest.approx([0.15, -0.15])
+
+
+@pytest.mark.parametrize("loss_name", ["grpo", "decoupled_ppo"])
+def test_loss_with_rewards_and_groups_equals_the_loss_with_baseline_advantages(loss_name):
+    """Given rewards and groups, the loss re-centres the rewards on b* from the sequence ratios
+    pi_prox / pi_behav (old_logp / rollout_logp) and is then the loss with those advantages."""
+    t = _random_inputs(3, behaviour_equals_prox=False)
+    rewards, groups = torch.tensor([1.0, 0.0, 0.5]), torch.tensor([0, 0, 1])
+    rho = algo.sequence_importance_ratios(t["old_logp"], t["rollout_logp"], t["mask"])
+    assert not torch.allclose(rho[:2], torch.ones(2))        # the ratios matter here
+    baseline = float((rho[:2] * rewards[:2]).sum() / rho[:2].sum())
+    want_adv = torch.tensor([1.0 - baseline, 0.0 - baseline, 0.0])[:, None].expand(3, 7).contiguous()
+    cfg = ActorConfig(policy_loss=loss_name, entropy_coef=0.01)
+    loss, metrics, g_logp, _ = _run(loss_name, cfg, {**t, "rewards": rewards, "group_ids": groups}, 7.0)
+    ref_loss, ref_metrics, ref_g, _ = _run(loss_name, cfg, {**t, "advantages": want_adv}, 7.0)
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(g_logp, ref_g)
+    # the given advantages were ignored: with them the loss differs
+    plain, _, _, _ = _run(loss_name, cfg, t, 7.0)
+    assert not torch.allclose(plain, loss)
+
+
+def test_vcpo_baseline_needs_whole_groups_per_micro_batch():
+    with pytest.raises(ConfigError, match=r"actor.micro_batch_size \(6\) must be a multiple of rollout.n \(4\)"):
+        load_config(DEFAULT, ["algo.adv_estimator=vcpo_baseline", "actor.micro_batch_size=6",
+                              "rollout.n=4"]).validate(world_size=1)

@@ -25,6 +25,11 @@ class TrainSample:
     advantage: float
     rollout_logprobs: list[float] | None = None
     policy_version: int = 0
+    # set together for an estimator that re-centres rewards on importance ratios at training time
+    # (algo.adv_estimator vcpo_baseline): the sample's reward and its group (a micro-batch then
+    # holds whole groups)
+    reward: float | None = None
+    group: int | None = None
 
 
 @dataclass
@@ -42,6 +47,10 @@ class MicroBatch:
     # same shape as labels, float: the rollout engine's log-prob of each response token (0 where
     # none was reported); the trainer compares it with its own to catch a broken weight sync
     rollout_logp: Optional[torch.Tensor] = None
+    # [rows] (one per response, in both layouts): each response's reward (float) and group (long),
+    # when the samples carry them (TrainSample.reward / .group); else None
+    rewards: Optional[torch.Tensor] = None
+    group_ids: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:
@@ -55,7 +64,8 @@ class MicroBatch:
         opt = lambda t: None if t is None else t.to(device)
         return MicroBatch(*(t.to(device) for t in (self.input_ids, self.position_ids, self.attention_mask,
                                                      self.labels, self.loss_mask, self.advantages)),
-                          logit_index=opt(self.logit_index), rollout_logp=opt(self.rollout_logp))
+                          logit_index=opt(self.logit_index), rollout_logp=opt(self.rollout_logp),
+                          rewards=opt(self.rewards), group_ids=opt(self.group_ids))
 
 
 def causal_mask(seq_len: int) -> torch.Tensor:
@@ -82,7 +92,16 @@ def pack_unshared(samples: list[TrainSample], pad_token_id: int) -> MicroBatch:
         if s.rollout_logprobs:
             rollout_logp[i, p - 1:p - 1 + len(s.rollout_logprobs)] = torch.tensor(s.rollout_logprobs)
     pos = torch.arange(width)[None].expand(b, -1).contiguous()
-    return MicroBatch(ids, pos, causal_mask(width), labels, mask, adv, rollout_logp=rollout_logp)
+    return MicroBatch(ids, pos, causal_mask(width), labels, mask, adv, rollout_logp=rollout_logp,
+                      **_rewards_and_groups(samples))
+
+
+def _rewards_and_groups(samples: list[TrainSample]) -> dict:
+    """MicroBatch.rewards / group_ids [rows] of samples in row order, when every sample has them."""
+    if not samples or any(s.group is None for s in samples):
+        return {}
+    return {"rewards": torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
+            "group_ids": torch.tensor([s.group for s in samples], dtype=torch.long)}
 
 
 # ---------------------------------------------------------------------- shared-prompt packing
@@ -120,7 +139,8 @@ def pack_shared(groups: list[list[TrainSample]], pad_token_id: int, row_len: Opt
         if s.rollout_logprobs:
             rollout_logp[n, :len(s.rollout_logprobs)] = torch.tensor(s.rollout_logprobs)
     return MicroBatch(packed.input_ids, packed.position_ids, packed.layout, packed.labels,
-                      packed.loss_mask, advantages, logit_index=packed.logit_index, rollout_logp=rollout_logp)
+                      packed.loss_mask, advantages, logit_index=packed.logit_index, rollout_logp=rollout_logp,
+                      **_rewards_and_groups([s for g in groups for s in g]))
 
 
 

@@ -246,7 +246,7 @@ class TriModelActor:
         loss, m = self.objective(LossInputs(
             logp=logp, entropy=entropy, old_logp=pre["old"] if "old" in pre else logp.detach(),
             ref_logp=pre.get("ref"), rollout_logp=mb.rollout_logp, advantages=mb.advantages, mask=mb.loss_mask,
-            normaliser=normaliser))
+            normaliser=normaliser, rewards=mb.rewards, group_ids=mb.group_ids))
         if mb.rollout_logp is not None and self.old_is_current:
             # the policy here is the one that generated: its probabilities should equal the engine's
             diff = (logp.detach().exp() - mb.rollout_logp.exp()).abs() * mb.loss_mask

@@ -17,7 +17,7 @@ metrics` (applied once after the reduction, e.g. sums -> ratios).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
@@ -44,6 +44,11 @@ class LossInputs:
     advantages: torch.Tensor              # the sequence's advantage at each of its positions
     mask: torch.Tensor                    # float, 1 on response tokens
     normaliser: float                     # the batch-wide normaliser `aggregate` divides by
+    # [rows] each response's reward and group, when the advantages are to be re-centred here on
+    # the importance-weighted baseline (algo.adv_estimator vcpo_baseline; whole groups per
+    # micro-batch); None: `advantages` as given
+    rewards: Optional[torch.Tensor] = None
+    group_ids: Optional[torch.Tensor] = None
 
 
 class PolicyLoss:
@@ -76,6 +81,8 @@ class GRPOLoss(PolicyLoss):
 
     def __call__(self, x: LossInputs):
         cfg = self.cfg
+        if x.group_ids is not None:
+            x = replace(x, advantages=importance_baseline_advantages(x))
         agg = lambda t: aggregate(t, x.mask, cfg.loss_agg_mode, x.normaliser)  # noqa: E731
         pg_tok, clipped, extra = self.policy_gradient_tokens(x)
         pg_loss = agg(pg_tok)
@@ -184,6 +191,32 @@ def sequence_importance_ratios(prox_logp: torch.Tensor, behav_logp: torch.Tensor
     return torch.exp(log_rho.clamp(-SEQ_LOG_RATIO_BOUND, SEQ_LOG_RATIO_BOUND))
 
 
+
+
+def min_variance_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
+    """VCPO's A_i = R_i - b*_g, b*_g = sum_{j in g} rho_j R_j / sum_{j in g} rho_j over each
+    response's group g (variance_control.min_variance_baseline, on tensors); a group whose ratios
+    sum to 0 falls back to its mean. rewards, rho [rows] float, group_ids [rows] long -> [rows]."""
+    _, g = torch.unique(group_ids, return_inverse=True)                             # [rows] in 0..G-1
+    n = int(g.max()) + 1 if g.numel() else 0
+    rho = rho.to(rewards.dtype)
+    zeros = rewards.new_zeros(n)
+    rho_sum = zeros.scatter_add(0, g, rho)
+    weighted = zeros.scatter_add(0, g, rho * rewards) / rho_sum.clamp_min(1e-30)
+    mean = zeros.scatter_add(0, g, rewards) / zeros.scatter_add(0, g, torch.ones_like(rewards))
+    baseline = torch.where(rho_sum > 0, weighted, mean)                              # [G]
+    return rewards - baseline[g]
+
+
+def importance_baseline_advantages(x: LossInputs) -> torch.Tensor:
+    """The micro-batch's advantages re-centred on the minimum-variance baseline, from the
+    sequence-level ratios pi_prox / pi_behav of its responses (old_logp: the proximal policy,
+    rollout_logp: the behaviour policy); shaped like x.advantages (the row's value everywhere)."""
+    if x.rollout_logp is None:
+        raise ValueError("algo.adv_estimator: 'vcpo_baseline' needs the rollout engine's per-token log-probs")
+    rho = sequence_importance_ratios(x.old_logp, x.rollout_logp, x.mask)           # [rows]
+    adv = min_variance_advantages(x.rewards, x.group_ids, rho)                       # [rows]
+    return adv[:, None].to(x.advantages.dtype).expand_as(x.advantages)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:

@@ -159,7 +159,9 @@ class RolloutConfig:
 @dataclass
 class AlgoConfig:
     # How each scored group's rewards become advantages: a name in periodic_async.algo.ADV_ESTIMATORS
-    # (grpo: (r - mean) / (std + adv_eps); rloo: r - mean of the others).
+    # (grpo: (r - mean) / (std + adv_eps); rloo: r - mean of the others; vcpo_baseline: r - b*,
+    # VCPO's baseline weighted by each response's pi_prox / pi_behav, computed in the loss -
+    # the plain group mean when on-policy; actor.micro_batch_size a multiple of rollout.n).
     adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True  # false: grpo advantages are r - mean (Dr. GRPO)
     adv_eps: float = 1.0e-6               # added to the group's std before dividing

@@ -52,6 +52,13 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
     # importing the config stays cheap.
     from periodic_async.algo import ADV_ESTIMATORS, POLICY_LOSSES
     _choice("algo.adv_estimator", cfg.algo.adv_estimator, tuple(sorted(ADV_ESTIMATORS)))
+    if getattr(ADV_ESTIMATORS[cfg.algo.adv_estimator], "uses_importance_ratios", False):
+        # applied in the loss (the proximal policy's log-probs are there), one micro-batch per whole groups
+        if cfg.rollout.group_sizing != "fixed" or cfg.actor.micro_batch_size % cfg.rollout.n:
+            raise ConfigError(f"algo.adv_estimator: '{cfg.algo.adv_estimator}' re-centres each group's rewards in "
+                              "the loss, so a micro-batch must hold whole groups: actor.micro_batch_size "
+                              f"({cfg.actor.micro_batch_size}) must be a multiple of rollout.n ({cfg.rollout.n}), "
+                              f"with rollout.group_sizing fixed (got '{cfg.rollout.group_sizing}')")
     if not cfg.algo.adv_eps > 0:
         raise ConfigError(f"algo.adv_eps: must be > 0, got {cfg.algo.adv_eps}")
     _choice("actor.policy_loss", cfg.actor.policy_loss, tuple(sorted(POLICY_LOSSES)))

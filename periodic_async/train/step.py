@@ -36,11 +36,14 @@ def num_micro_batches(sizes: dict[int, int], owner: dict[int, int], dp_rank: int
 
 
 def _micro_batches(actor, feed: GroupFeed, owner: dict[int, int], dp_rank: int, check_group,
-                   micro_batch_size: int, out: BatchResult, seat=None, num_micro_batches: int = 0):
+                   micro_batch_size: int, out: BatchResult, seat=None, num_micro_batches: int = 0,
+                   with_rewards: bool = False):
     """Packed micro-batches of this DP rank's groups, in completion order, as they arrive, then
     loss-free padding up to `num_micro_batches` when groups came empty (positions an allocator
     did not fill). `seat` (backend.CoreSeat, cpu only): cores shared with the rollout workers -
-    given up while waiting for a group, re-divided before each micro-step."""
+    given up while waiting for a group, re-divided before each micro-step. `with_rewards`: the
+    samples carry their reward and group (the loss re-centres the advantages, vcpo_baseline), and
+    every micro-batch must hold whole groups."""
     produced = 0
     pending: list[TrainSample] = []
     remaining = sum(1 for g in owner.values() if g == dp_rank)
@@ -56,9 +59,15 @@ def _micro_batches(actor, feed: GroupFeed, owner: dict[int, int], dp_rank: int, 
         out.groups.append(g)
         if owner[g.group_index] == dp_rank:
             remaining -= 1
-            pending += [TrainSample(r.prompt_ids, r.response_ids, a, r.logprobs, r.policy_version)
-                        for r, a in zip(g.results, g.advantages)]
+            pending += [TrainSample(r.prompt_ids, r.response_ids, a, r.logprobs, r.policy_version,
+                                    reward=rw if with_rewards else None, group=g.group_index if with_rewards else None)
+                        for r, a, rw in zip(g.results, g.advantages, g.rewards)]
         while len(pending) >= micro_batch_size or (pending and remaining == 0):
+            if with_rewards and len(pending) > micro_batch_size and \
+                    pending[micro_batch_size - 1].group == pending[micro_batch_size].group:
+                raise RuntimeError(f"group {pending[micro_batch_size].group} would be split between two micro-batches: "
+                                   "algo.adv_estimator vcpo_baseline needs actor.micro_batch_size to be a multiple "
+                                   "of every group's size")
             mb = actor.pack(pending[:micro_batch_size])
             pending = pending[micro_batch_size:]
             # the schedule computes this micro-batch between the yield and its next request; the
@@ -82,17 +91,19 @@ def _tee(iterator, keep: list):
         yield item
 
 
-def train_batch(actor, feed: GroupFeed, cfg, dp_rank: int, dp_size: int, check_group, seat=None) -> BatchResult:
+def train_batch(actor, feed: GroupFeed, cfg, dp_rank: int, dp_size: int, check_group, seat=None,
+                with_rewards: bool = False) -> BatchResult:
     """Train on one batch: `cfg` the ActorConfig; `check_group(group)` raises on a group that may
     not be trained on (the staleness rule). Every group reaches every rank (feed); this DP rank
-    trains on those `assign_groups` gives it. `seat`: see _micro_batches."""
+    trains on those `assign_groups` gives it. `seat`, `with_rewards`: see _micro_batches."""
     owner = assign_groups(feed.sizes, dp_size)
     n_mb = num_micro_batches(feed.sizes, owner, dp_rank, cfg.micro_batch_size)
     out = BatchResult(metrics={}, groups=[])
     actor.refresh_old()
     # Epoch 1: consume groups as they arrive (old == policy: the old forward is skipped)
     keep = [] if cfg.ppo_epochs > 1 else None
-    stream = _micro_batches(actor, feed, owner, dp_rank, check_group, cfg.micro_batch_size, out, seat, n_mb)
+    stream = _micro_batches(actor, feed, owner, dp_rank, check_group, cfg.micro_batch_size, out, seat, n_mb,
+                            with_rewards)
     if keep is not None:
         stream = _tee(stream, keep)
     t0 = time.perf_counter()

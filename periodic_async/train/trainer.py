@@ -99,6 +99,10 @@ class Trainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.eos_id = self.tokenizer.eos_token_id
         self.staleness = StalenessRule(cfg.trainer.max_staleness) if cfg.trainer.mode == "async" else STRICT
+        # an estimator that uses importance ratios (vcpo_baseline) is applied in the loss, where the
+        # proximal policy's log-probs are: the samples carry rewards and groups there
+        from ..algo import ADV_ESTIMATORS
+        self._importance_baseline = getattr(ADV_ESTIMATORS.lookup(cfg.algo.adv_estimator), "uses_importance_ratios", False)
         self.actor = TriModelActor(cfg.actor, self.arch, self.model_dir, cfg.model.dtype, self.device,
                                    temperature=cfg.rollout.temperature or 1.0,
                                    with_reference=cfg.actor.uses_reference,
@@ -289,7 +293,7 @@ class Trainer:
             sizes, groups = plan.train_sizes, self.producer.groups()
         feed = GroupFeed(sizes, groups, self.feed_group)
         batch = train_batch(self.actor, feed, cfg.actor, self.dp_rank, self.dp_size, self._check_group,
-                            seat=self.core_seat)
+                            seat=self.core_seat, with_rewards=self._importance_baseline)
         t_batch_end = time.perf_counter()
         metrics = dict(batch.metrics)
         metrics["timing_s/update_actor"] = batch.train_s
