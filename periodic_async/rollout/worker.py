@@ -8,7 +8,10 @@ forever if a worker were killed while writing to it).
 Weight sync (one node): the trainer writes the policy's HF-layout tensors into ONE flat
 shared-memory buffer and tells every worker the new version; each worker copies from the buffer
 into its engine when it is idle and acknowledges. The pool dispatches the next batch only after
-every worker has acknowledged, so every sample of batch t comes from policy t.
+every worker has acknowledged, so every sample of batch t comes from policy t. In the async mode
+(`post_weights`) the update reaches workers that are generating: an interruptible engine takes it
+between two decode steps, any other once drained; acknowledgements are collected by whoever reads
+the workers' messages (`poll`).
 
 Faults: a worker that dies, or makes no progress for `worker_timeout_s` while it has work, is
 killed and restarted from the buffer (the current weights); the samples it still owed are
