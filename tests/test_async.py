@@ -144,6 +144,7 @@ def test_async_never_exceeds_the_bound_and_runs_ahead(async_run):
     stale = [h["training/off_policy/trajectory_staleness/max"] for h in history]
     assert max(stale) <= 2 and max(stale) > 0, stale
     assert all(h["rollout/token_staleness/mean"] <= h["training/off_policy/trajectory_staleness/mean"] for h in history)
+    assert any(h["rollout/interrupted_ratio"] > 0 for h in history)     # updates reached running responses
     assert all(h["rollout/generated"] == 8 * 4 for h in history)
     for h in history:
         assert 0 < h["vcpo/ess_ratio"] <= 1 and h["vcpo/lr_scale"] == pytest.approx(min(1.0, h["vcpo/ess_ratio"]))
@@ -215,3 +216,15 @@ def test_resumed_async_run_loses_and_repeats_no_prompt(async_run, tmp_path):
     assert len(history) == 3
     key = lambda x: (x[0], x[1])  # noqa: E731 - completion order differs within a step
     assert sorted(first + second, key=key) == sorted(want, key=key)
+
+
+def test_drained_workers_give_one_version_per_response(tmp_path):
+    """rollout.interruptible=false (the path of an engine that cannot take weights mid-flight, e.g.
+    vLLM): a worker with an update pending holds new requests, finishes its running responses,
+    then loads. No response mixes versions, the bound holds, and generation still runs ahead."""
+    _, history, _ = _run(tmp_path, "async", *ASYNC, "rollout.interruptible=false")
+    assert len(history) == 6
+    assert all(h["rollout/interrupted_ratio"] == 0.0 for h in history)
+    assert all(h["rollout/token_staleness/mean"] == h["training/off_policy/trajectory_staleness/mean"] for h in history)
+    stale = [h["training/off_policy/trajectory_staleness/max"] for h in history]
+    assert max(stale) <= 2 and max(stale) > 0, stale

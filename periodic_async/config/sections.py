@@ -136,6 +136,10 @@ class RolloutConfig:
     # How new weights reach the workers: shm (one shared-memory buffer, same node) | broadcast (a
     # process group per worker, buckets of actor.export_bucket_mb: the path for other nodes)
     weight_sync: str = "shm"
+    # trainer.mode async: true - an engine that can (hf) takes new weights mid-generation and
+    # continues its in-flight responses under them (per-token versions); false - every worker
+    # finishes its running responses first (one version per response, idle cores meanwhile).
+    interruptible: bool = True
     # Rollout workers on other nodes: this many slots, after the num_workers local ones, taken by
     # relays that connect to `remote_address` (torchrun ... -m periodic_async.rollout.remote
     # --connect HOST:PORT on each rollout node, docs/multi-node.md). Needs weight_sync: broadcast

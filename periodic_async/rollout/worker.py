@@ -68,6 +68,8 @@ class WorkerSettings:
     weight_sync: str = "shm"
     bucket_bytes: int = 256 << 20         # broadcast sync: bucket size
     dtype: str = "float32"                # the engine's and the sync's weight dtype (model.dtype)
+    # take weight updates mid-generation when the engine can (rollout.interruptible); else drain
+    interruptible: bool = True
 
 
 Layout = list[tuple[str, tuple[int, ...]]]
@@ -140,6 +142,7 @@ def _worker_main(wid: int, settings: WorkerSettings, placement: dict, inbox, out
     state = {"active": 0, "update": None, "stop": False}
 
     held: list[RolloutRequest] = []     # requests that arrived after a pending update (drained engine)
+    interrupt = engine.interruptible and settings.interruptible
 
     def poll():
         """New requests since the last decode step, and weight updates: an interruptible engine
@@ -153,13 +156,13 @@ def _worker_main(wid: int, settings: WorkerSettings, placement: dict, inbox, out
             except queue.Empty:
                 break
             if msg[0] == "generate":
-                (held if state["update"] is not None and not engine.interruptible else new).extend(msg[1])
+                (held if state["update"] is not None and not interrupt else new).extend(msg[1])
             elif msg[0] == "update":
                 state["update"] = msg[1]
             elif msg[0] == "stop":
                 state["stop"] = True
                 break
-        if state["update"] is not None and (engine.interruptible or (idle and not new)):
+        if state["update"] is not None and (interrupt or (idle and not new)):
             v = state["update"]
             engine.update_weights(_views(buf, layout) if sync is None else receive(), v)
             state["update"] = None

@@ -261,7 +261,8 @@ class Trainer:
                                   max_model_len=cfg.rollout.max_model_len, load_format=cfg.rollout.load_format,
                                   kv_cache_gb=cfg.rollout.vllm_kv_cache_gb,
                                   gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, weight_sync=cfg.rollout.weight_sync,
-                                  bucket_bytes=int(cfg.actor.export_bucket_mb * (1 << 20)), dtype=cfg.model.dtype)
+                                  bucket_bytes=int(cfg.actor.export_bucket_mb * (1 << 20)), dtype=cfg.model.dtype,
+                                  interruptible=cfg.rollout.interruptible)
         pool = WorkerPool(settings, placements, hf_layout(self.arch), torch_dtype(cfg.model.dtype),
                           cfg.rollout.worker_timeout_s, initial_weights=initial, staleness=self.staleness,
                           remote_workers=cfg.rollout.remote_workers, remote_address=cfg.rollout.remote_address,
