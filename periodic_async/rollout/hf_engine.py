@@ -442,38 +442,23 @@ class HFRolloutEngine(RolloutEngine):
         """Rebuild b's KV cache under the current weights: each row's prompt and its sampled tokens
         except the last (which is next_ids, fed by the next decode step), left-padded. Positions,
         uniforms, steps and next_ids are unchanged, so sampling continues where it stopped."""
-        seqs = [list(s.request.prompt_ids) + s.out_ids[:-1] for s in b.rows]
-        lens = [len(x) for x in seqs]
-        width = max(lens)
-        ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
-        attn = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, x in enumerate(seqs):
-            ids[i, width - lens[i]:] = torch.tensor(x)
-            attn[i, width - lens[i]:] = 1
-        ids, attn = ids.to(self.device), attn.to(self.device)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        from transformers import DynamicCache
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=DynamicCache(),
-                         use_cache=True, logits_to_keep=1)
-        room = _room(b.rows)
+        attn, out = self._forward_left_padded([list(s.request.prompt_ids) + s.out_ids[:-1] for s in b.rows])
+        width, room = attn.shape[1], _room(b.rows)
         b.cache = _roomy_cache([_RoomyLayer(_RoomyLayer.stack([layer.keys], width, room),
                                             _RoomyLayer.stack([layer.values], width, room), width)
                                 for layer in out.past_key_values.layers])
         b.attn = attn
         # b.pos (each row's next position = its cached length) is unchanged
 
-    def _prefill(self, seqs: list[_Seq]) -> tuple[_Batch, torch.Tensor]:
-        """Prefill the distinct prompts of `seqs` once (left-padded) and repeat their KV rows to one
-        per sequence; returns the new sequences' batch and their next-token logits [n, V] fp32."""
-        distinct: dict[tuple[int, ...], int] = {}
-        rep = [distinct.setdefault(tuple(s.request.prompt_ids), len(distinct)) for s in seqs]
-        prompts = list(distinct)
-        lens = [len(p) for p in prompts]
+    def _forward_left_padded(self, token_lists: list) -> tuple[torch.Tensor, object]:
+        """One forward of the token lists, left-padded to the longest: (attn [n, width] long, the
+        model's output with a full-length cache and the last position's logits)."""
+        lens = [len(x) for x in token_lists]
         width = max(lens)
-        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        attn = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - lens[i]:] = torch.tensor(p)
+        ids = torch.full((len(token_lists), width), self.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((len(token_lists), width), dtype=torch.long)
+        for i, x in enumerate(token_lists):
+            ids[i, width - lens[i]:] = torch.tensor(x)
             attn[i, width - lens[i]:] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
@@ -483,6 +468,17 @@ class HFRolloutEngine(RolloutEngine):
         # rows of 512 tokens of a Qwen2.5 vocabulary)
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=DynamicCache(),
                          use_cache=True, logits_to_keep=1)
+        return attn, out
+
+    def _prefill(self, seqs: list[_Seq]) -> tuple[_Batch, torch.Tensor]:
+        """Prefill the distinct prompts of `seqs` once (left-padded) and repeat their KV rows to one
+        per sequence; returns the new sequences' batch and their next-token logits [n, V] fp32."""
+        distinct: dict[tuple[int, ...], int] = {}
+        rep = [distinct.setdefault(tuple(s.request.prompt_ids), len(distinct)) for s in seqs]
+        prompts = list(distinct)
+        lens = [len(p) for p in prompts]
+        attn, out = self._forward_left_padded(prompts)
+        width = attn.shape[1]
         logits = out.logits[:, -1, :].float()
         shared = rep != list(range(len(prompts)))   # samples sharing a prompt: repeat its rows
         idx = torch.tensor(rep, device=self.device)
