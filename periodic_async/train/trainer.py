@@ -13,9 +13,9 @@
   new weights are posted without waiting and reach the workers mid-generation (every token tagged
   with its version). Batch b is still trained at step b, at version b - 1. eta = 0 is periodic.
 
-The first three are the same computation (train/step.py says why); async is too at eta = 0. Every rank runs this loop; rank 0
-owns the rollout side and the reward workers and feeds every group to the other ranks
-(train/feed.py).
+The first three are the same computation (train/step.py says why); async is too at eta = 0.
+Every rank runs this loop; rank 0 owns the rollout side and the reward workers and feeds every
+group to the other ranks (train/feed.py).
 """
 from __future__ import annotations
 
