@@ -228,3 +228,17 @@ def test_drained_workers_give_one_version_per_response(tmp_path):
     assert all(h["rollout/token_staleness/mean"] == h["training/off_policy/trajectory_staleness/mean"] for h in history)
     stale = [h["training/off_policy/trajectory_staleness/max"] for h in history]
     assert max(stale) <= 2 and max(stale) > 0, stale
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.max_staleness=2"], "trainer.max_staleness: 2 needs trainer.mode async"),
+    (["trainer.mode=async", "trainer.max_staleness=-1"], "trainer.max_staleness: must be an integer >= 0, got -1"),
+    (["trainer.mode=async", "rollout.pilot.enabled=true"], "rollout.pilot / rollout.backfill: not supported with"),
+    (["trainer.mode=async", "rollout.group_sizing=sagc"], "rollout.group_sizing: 'sagc' is not supported with"),
+    (["trainer.mode=async", "rollout.weight_sync=broadcast"], "rollout.weight_sync: trainer.mode async updates"),
+])
+def test_async_configuration_errors_name_the_key(overrides, message):
+    from periodic_async.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config("configs/default.yaml", overrides).validate(world_size=1)
+    load_config("configs/default.yaml", ["trainer.mode=async", "trainer.max_staleness=3"]).validate(world_size=1)

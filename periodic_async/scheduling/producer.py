@@ -281,7 +281,7 @@ class AsyncProducer(GroupProducer):
         with self._cond:
             while step not in self._batches:
                 if self._error is not None:
-                    raise RuntimeError(f"the rollout producer failed: {self._error}") from self._error
+                    raise self._error      # as it was raised (a DatasetError stays one)
                 if step >= self._next and step > self._last:
                     raise ValueError(f"step {step} is beyond the producer's last step {self._last}")
                 self._cond.wait(0.1)
@@ -318,7 +318,7 @@ class AsyncProducer(GroupProducer):
         self._evals.put((requests, results, done))
         while not done.wait(0.1):
             if self._error is not None:
-                raise RuntimeError(f"the rollout producer failed: {self._error}") from self._error
+                raise self._error
         return results
 
     def close(self) -> None:
