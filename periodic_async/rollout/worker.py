@@ -572,11 +572,6 @@ class WorkerPool:
         """Every sample of `group_index` is delivered: drop its request (kept for re-dispatch)."""
         self._requests.pop(group_index, None)
 
-    @property
-    def outstanding(self) -> int:
-        """Samples dispatched and not yet delivered."""
-        return len(self._owner) + sum(len(r.samples()) for r in self._pending)
-
     def _check_health(self) -> None:
         now = time.monotonic()
         if self._pending and now - self._pending_since > self.startup_timeout_s:
