@@ -282,7 +282,7 @@ class AsyncProducer(GroupProducer):
             while step not in self._batches:
                 if self._error is not None:
                     raise self._error      # as it was raised (a DatasetError stays one)
-                if step >= self._next and step > self._last:
+                if step > self._last:
                     raise ValueError(f"step {step} is beyond the producer's last step {self._last}")
                 self._cond.wait(0.1)
             b = self._batches[step]
