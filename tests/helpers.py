@@ -28,6 +28,7 @@ def make_hf_model_dir(path, arch: str = "qwen2", hidden: int = 128, heads: int =
     is left untouched. `vocab` may exceed the tokenizer's size (the extra rows are unused ids).
     `extra_config` overrides / adds config fields (e.g. attention_bias=True for llama).
     """
+    from periodic_async.models.tiny import rope_config_kwargs
     from periodic_async.models.tokenizer import build_char_tokenizer, mark_char_tokenizer
 
     path = str(path)
@@ -38,7 +39,7 @@ def make_hf_model_dir(path, arch: str = "qwen2", hidden: int = 128, heads: int =
         raise ValueError(f"hidden={hidden} is not divisible by heads={heads}")
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-                  rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+                  **rope_config_kwargs(rope_theta),
                   tie_word_embeddings=tied, rms_norm_eps=1e-6, initializer_range=init_std,
                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
     if arch == "qwen2":

@@ -46,6 +46,14 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
         if cfg.rollout.max_model_len is not None and cfg.rollout.max_model_len < need:
             raise ConfigError(f"rollout.max_model_len: {cfg.rollout.max_model_len} is less than "
                               f"data.max_prompt_length + rollout.max_new_tokens = {need}")
+        r = cfg.rollout
+        if cfg.backend == "npu" and (r.temperature not in (0.0, 1.0) or r.top_k > 0 or r.top_p < 1.0):
+            # vllm-ascend (0.11 through 0.23) builds its sampler without logprobs_mode: its
+            # log-probs are raw (temperature 1, untruncated), so the behaviour log-probs of decoupled
+            # PPO / VCPO / rollout_probs_diff would be silently wrong (rollout/vllm_engine.py)
+            raise ConfigError(f"rollout.temperature / rollout.top_k / rollout.top_p: vllm-ascend returns raw log-probs, "
+                              f"so rollout.engine vllm on npu needs temperature 1, top_k -1, top_p 1 (got "
+                              f"{r.temperature}, {r.top_k}, {r.top_p})")
     elif cfg.rollout.load_format != "auto":
         raise ConfigError("rollout.load_format: 'dummy' needs rollout.engine: vllm")
     # Registries fill in when periodic_async.algo is imported (it imports torch): only here, so that

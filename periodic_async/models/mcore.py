@@ -106,6 +106,11 @@ def arch_from_hf_dict(c: dict, source: str = "config.json") -> ModelArch:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", None):
         raise UnsupportedModel(f"{source}: rope scaling '{rope_type}' is not supported yet; allowed: default")
+    # A config.json written by transformers 5 with the 4.x key too (or the reverse) must agree on
+    # the base: transformers 4.x reads only `rope_theta`, 5.x only `rope_parameters`.
+    if "rope_theta" in rope and "rope_theta" in c and float(rope["rope_theta"]) != float(c["rope_theta"]):
+        raise UnsupportedModel(f"{source}: rope_theta {c['rope_theta']} disagrees with rope_parameters.rope_theta "
+                               f"{rope['rope_theta']} (transformers 4.x uses the first, 5.x the second)")
     if c.get("use_sliding_window"):
         raise UnsupportedModel(f"{source}: use_sliding_window=true is not supported")
     # Megatron is built with add_bias_linear=False: a bias on o_proj or the MLP cannot be loaded.

@@ -13,13 +13,26 @@ from ..config import TinyModelConfig
 from .tokenizer import build_char_tokenizer, mark_char_tokenizer
 
 
+def rope_config_kwargs(theta: float) -> dict:
+    """The Qwen2Config / LlamaConfig keyword that sets the RoPE base in the installed transformers.
+
+    transformers 5 reads `rope_parameters`; 4.x (4.57.1 on the Ascend stack) keeps an unknown
+    `rope_parameters` as a plain attribute and builds its rotary tables from `rope_theta`
+    (default 1e4), so passing the 5.x form there silently gives HF and vLLM a different RoPE than
+    Megatron's."""
+    import transformers
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        return {"rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+    return {"rope_theta": theta}
+
+
 def tiny_hf_config(cfg: TinyModelConfig, vocab_size: int, eos_id: int, pad_id: int):
     from transformers import Qwen2Config
     return Qwen2Config(
         vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        **rope_config_kwargs(cfg.rope_theta),
         tie_word_embeddings=cfg.tie_word_embeddings, rms_norm_eps=1e-6,
         eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None, architectures=["Qwen2ForCausalLM"])
 
@@ -46,7 +59,7 @@ def make_random_model_dir(out_dir: str, hidden: int, layers: int, heads: int, kv
     from transformers import Qwen2Config, Qwen2ForCausalLM
     cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-                      rope_parameters={"rope_type": "default", "rope_theta": 1.0e6}, tie_word_embeddings=True,
+                      **rope_config_kwargs(1.0e6), tie_word_embeddings=True,
                       eos_token_id=eos_token_id, pad_token_id=0, bos_token_id=None,
                       architectures=["Qwen2ForCausalLM"])
     with torch.random.fork_rng():

@@ -31,6 +31,10 @@ that is exactly the HF engine's "log pi(token) under the sampling temperature" a
 computes; with top-k / top-p on, vLLM's value is the log-prob under the truncated, renormalised
 distribution that was actually sampled from, i.e. the HF engine's value minus log(kept mass)
 (>= the HF value). Greedy (temperature 0): log_softmax of the raw logits, as in the HF engine.
+vllm-ascend (0.11 through 0.23) builds its sampler without the engine's `logprobs_mode`, so there
+the log-probs are raw (temperature 1, no truncation) whatever was asked: the engine reads the mode
+the sampler really applies at start-up (`_sampler_logprobs_mode`) and, where it is not the
+processed one, refuses sampling whose processed and raw log-probs differ (`_check_logprobs_match`).
 
 Length: a request whose prompt + max_new_tokens does not fit `max_model_len` is refused with a
 ValueError naming the lengths (raised by `serve` / `generate` before anything of that batch of
@@ -65,6 +69,10 @@ _ENV = {
     # verl sets the same on NPU. Weights are replaced in place here after every step.
     "VLLM_ASCEND_ENABLE_NZ": "0",
 }
+
+
+# The log-probs a result carries: of the distribution sampled from (after temperature, top-k, top-p)
+_LOGPROBS_MODE = "processed_logprobs"
 
 
 def prepare_vllm_env() -> None:
@@ -137,6 +145,34 @@ def _load_into_worker(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> st
         return "model.load_weights"
 
 
+def _sampler_logprobs_mode(worker) -> str | None:
+    """Run on the vLLM worker (`collective_rpc`): the log-prob mode its sampler applies, or None
+    when it has none. vLLM's GPU/CPU runners pass the engine's `logprobs_mode` to their Sampler;
+    vllm-ascend's NPUModelRunner builds `AscendSampler()` without it (default raw_logprobs), and an
+    AscendSampler's inner top-k/top-p sampler may hold a mode of its own (v0.11: always raw)."""
+    sampler = getattr(getattr(worker, "model_runner", None), "sampler", None)
+    modes = {getattr(sampler, "logprobs_mode", None)}
+    inner = getattr(sampler, "topk_topp_sampler", None)
+    if inner is not None and hasattr(inner, "logprobs_mode"):
+        modes.add(inner.logprobs_mode)
+    return modes.pop() if len(modes) == 1 else "mixed:" + ",".join(sorted(map(str, modes)))
+
+
+def logprobs_differ_from_raw(sp: SamplingParams) -> bool:
+    """Whether log-probs under this sampling differ from the raw (temperature 1, untruncated)
+    ones: temperature not 1 (greedy's are taken raw anyway), top-k or top-p on."""
+    return (sp.temperature not in (0.0, 1.0)) or sp.top_k > 0 or sp.top_p < 1.0
+
+
+def _check_logprobs_match(sp: SamplingParams, sampler_mode: str | None) -> None:
+    if sampler_mode != _LOGPROBS_MODE and logprobs_differ_from_raw(sp):
+        raise ValueError(
+            f"vLLM's sampler on this platform returns {sampler_mode or 'raw'} log-probs, not {_LOGPROBS_MODE} "
+            f"(vllm-ascend ignores logprobs_mode), so behaviour log-probs would be wrong: use rollout.temperature 1, "
+            f"rollout.top_k -1 and rollout.top_p 1 with it (got temperature {sp.temperature}, top_k {sp.top_k}, "
+            f"top_p {sp.top_p})")
+
+
 def _repack_cpu_embedding_gemms(model) -> int:
     """Re-run the CPU weight packing of (tied) lm_head / embedding layers; a no-op off CPU."""
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
@@ -187,7 +223,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.policy_version = 0
         kw = dict(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
                   max_num_seqs=max_slots, load_format=load_format, seed=0,
-                  logprobs_mode="processed_logprobs", generation_config="vllm", disable_log_stats=True,
+                  logprobs_mode=_LOGPROBS_MODE, generation_config="vllm", disable_log_stats=True,
                   enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=1)
         if max_model_len is not None:
             kw["max_model_len"] = max_model_len
@@ -214,6 +250,9 @@ class VLLMRolloutEngine(RolloutEngine):
         self.max_model_len = self.engine.model_config.max_model_len
         self._next_id = 0
         self.last_update: dict = {}
+        # every TP rank's sampler must apply the mode asked for; anything else counts as raw
+        modes = set(self.engine.collective_rpc(_sampler_logprobs_mode))
+        self.sampler_logprobs_mode = modes.pop() if len(modes) == 1 else None
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
@@ -250,7 +289,9 @@ class VLLMRolloutEngine(RolloutEngine):
         # outputs then use stale weights (measured: probabilities off by 1e-2 after one step).
         # Re-pack every embedding-method layer from its (now updated) weight.
         self.engine.apply_model(_repack_cpu_embedding_gemms)
-        if not self.engine.reset_prefix_cache():
+        # vLLM 0.11's V1 LLMEngine.reset_prefix_cache returns None (no result to check); later
+        # versions return False when blocks are still in use. Only an explicit False is a refusal.
+        if self.engine.reset_prefix_cache() is False:
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
         self.policy_version = version
         self.last_update = {"seconds": time.perf_counter() - t0, "tensors": stats["tensors"], "bytes": stats["bytes"],
@@ -278,6 +319,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ generation
     def _params(self, sp: SamplingParams, seed: int):
+        _check_logprobs_match(sp, self.sampler_logprobs_mode)
         from vllm import SamplingParams as VSP
         from vllm.sampling_params import RequestOutputKind
         stop = list(sp.stop_token_ids)
