@@ -112,7 +112,7 @@ class Backend:
 
     # ------------------------------------------------------------------ placement
     def rollout_placements(self, num_workers: int, trainer_procs: int,
-                           share_cores: bool = False) -> tuple[list[dict], dict]:
+                           share_cores: bool = False, devices_per_worker: int = 1) -> tuple[list[dict], dict]:
         """Where each rollout worker and the trainer processes of this node run.
 
         cpu: with `share_cores` (and one trainer process), every process may use every core and
@@ -120,11 +120,13 @@ class Backend:
         processes busy at that moment: a stage running alone gets all the cores, stages that
         overlap split them. Otherwise the cores are split - each worker gets an equal share and
         the trainer the rest (at least one core each).
-        cuda/npu: trainer local ranks use devices 0..trainer_procs-1, workers one each of the
-        next ones, made the only device the worker sees (CUDA_VISIBLE_DEVICES /
-        ASCEND_RT_VISIBLE_DEVICES, set when it is spawned).
+        cuda/npu: trainer local ranks use devices 0..trainer_procs-1, workers `devices_per_worker`
+        each of the next ones (a vLLM engine with tensor parallelism spans that many), made the
+        only devices the worker sees (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES, e.g. "4,5",
+        set when it is spawned).
         Returns ([worker placement], trainer placement); a placement is {"device", "cores"} and,
         for a worker on an accelerator, "env"."""
+        _check_devices_per_worker(self.name, devices_per_worker)
         if self.name == "cpu":
             cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
             if num_workers == 0:
@@ -147,27 +149,40 @@ class Backend:
                        for w in range(num_workers)]
             return workers, {"device": "cpu", "cores": cores[:len(cores) - num_workers * per_worker]}
         count = self.device_count()
-        if trainer_procs + num_workers > count:
-            raise BackendUnavailable(f"{trainer_procs} trainer processes + {num_workers} rollout workers need "
-                                     f"{trainer_procs + num_workers} {self.name} devices on this node; {count} visible")
-        # A worker sees only its own device (set before torch or vLLM start in it), so vLLM, which
-        # takes the first visible device, cannot land on the trainer's; inside it is device 0.
+        need = trainer_procs + num_workers * devices_per_worker
+        if need > count:
+            each = f" x {devices_per_worker} devices each (rollout.tensor_parallel_size)" if devices_per_worker > 1 else ""
+            raise BackendUnavailable(f"{trainer_procs} trainer processes + {num_workers} rollout workers{each} need "
+                                     f"{need} {self.name} devices on this node; {count} visible")
+        # A worker sees only its own devices (set before torch or vLLM start in it), so vLLM, which
+        # takes the first visible ones, cannot land on the trainer's; inside they are 0..tp-1.
         visible = self.visible_devices()
-        workers = [{"device": f"{self.name}:0", "cores": None,
-                    "env": {self.visible_devices_var: visible[trainer_procs + w]}} for w in range(num_workers)]
+        workers = []
+        for w in range(num_workers):
+            first = trainer_procs + w * devices_per_worker
+            workers.append({"device": f"{self.name}:0", "cores": None,
+                            "env": {self.visible_devices_var: ",".join(visible[first:first + devices_per_worker])}})
         return workers, {"device": None, "cores": None}
 
-    def node_worker_placement(self, local_rank: int, local_world: int) -> dict:
+    def node_worker_placement(self, local_rank: int, local_world: int, devices_per_worker: int = 1) -> dict:
         """The placement of rollout worker `local_rank` of `local_world` on a rollout-only node
         (rollout/remote.py): on cpu an equal share of the node's cores, on accelerators the
-        `local_rank`-th visible device as the only one the worker sees. Needs no device stack."""
+        `local_rank`-th group of `devices_per_worker` visible devices as the only ones the worker
+        sees. Needs no device stack."""
+        _check_devices_per_worker(self.name, devices_per_worker)
         if self.name == "cpu":
             cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
             per = max(1, len(cores) // local_world)
             mine = cores[local_rank * per:(local_rank + 1) * per] or [cores[local_rank % len(cores)]]
             return {"device": "cpu", "cores": mine}
         ids = [i.strip() for i in os.environ.get(self.visible_devices_var, "").split(",") if i.strip()]
-        physical = ids[local_rank] if ids else str(local_rank)
+        first = local_rank * devices_per_worker
+        mine = range(first, first + devices_per_worker)
+        if ids and mine.stop > len(ids):
+            raise BackendUnavailable(f"rollout worker {local_rank} of {local_world} x {devices_per_worker} devices "
+                                     f"needs {local_world * devices_per_worker} visible {self.name} devices; "
+                                     f"{self.visible_devices_var}={','.join(ids)}")
+        physical = ",".join(ids[i] if ids else str(i) for i in mine)
         return {"device": f"{self.name}:0", "cores": None, "env": {self.visible_devices_var: physical}}
 
     @property
@@ -283,6 +298,16 @@ class Backend:
 
 
 _MEGATRON_GROUPS: list = []      # the process groups of the last initialize_model_parallel
+
+
+def _check_devices_per_worker(backend: str, devices_per_worker: int) -> None:
+    """A rollout worker spans several devices only on accelerators: on cpu its 'device' is a share
+    of the cores (config validation refuses rollout.tensor_parallel_size > 1 there)."""
+    if isinstance(devices_per_worker, bool) or not isinstance(devices_per_worker, int) or devices_per_worker < 1:
+        raise ValueError(f"devices_per_worker: must be an integer >= 1, got {devices_per_worker!r}")
+    if backend == "cpu" and devices_per_worker != 1:
+        raise ValueError(f"devices_per_worker: {devices_per_worker} needs backend cuda or npu (a cpu worker's "
+                         "placement is a share of the cores)")
 
 
 def _free_port() -> int:

@@ -323,9 +323,25 @@ def _trainer_items(arch: "ModelArch", cfg: Config, stage: int, dp: int) -> list[
     return items
 
 
+def vllm_shard_numel(arch: "ModelArch", tp: int = 1) -> tuple[int, int]:
+    """(parameters, key/value width) on one device of a vLLM engine with tensor parallel size `tp`:
+    attention heads, the MLP and the vocabulary split over TP, norms replicated, and key/value heads
+    split too, or replicated when there are fewer than TP (vLLM's QKVParallelLinear: at least one
+    per device). tp == 1: the whole model (`stage_param_numel`)."""
+    h, qd = arch.hidden_size, arch.num_heads * arch.head_dim
+    kvd = max(1, arch.num_kv_heads // tp) * arch.head_dim
+    qkv_rows = qd // tp + 2 * kvd
+    layer = (qkv_rows * h + (qkv_rows if arch.qkv_bias else 0) + h * (qd // tp)
+             + 3 * (arch.ffn_hidden_size // tp) * h)
+    vocab = math.ceil(arch.vocab_size / tp) * h
+    norms = arch.num_layers * 2 * h + h
+    return arch.num_layers * layer + norms + vocab * (1 if arch.tie_word_embeddings else 2), kvd
+
+
 def _rollout_items(arch: "ModelArch", cfg: Config, engines: int,
                    on_accelerator: bool) -> tuple[list[Item], float, str]:
-    """(items, share of the device, note) of one rollout engine serving 1/engines of each batch."""
+    """(items, share of the device, note) of one rollout engine serving 1/engines of each batch; a
+    vLLM engine with rollout.tensor_parallel_size > 1: of each of its devices."""
     r = cfg.rollout
     p, n_new = cfg.data.max_prompt_length, r.max_new_tokens
     concurrent = min(r.max_slots, math.ceil(cfg.data.train_batch_size / engines) * r.n)
@@ -350,16 +366,21 @@ def _rollout_items(arch: "ModelArch", cfg: Config, engines: int,
         return items, 1.0, ""
     e = DTYPE_BYTES[cfg.model.dtype]
     max_model_len = r.max_model_len or arch.max_position_embeddings
-    items = [Item("rollout_weights", f"rollout weights (vllm: {cfg.model.dtype})", numel * e,
-                  hint="raise rollout.gpu_memory_utilization or use a smaller model")]
+    tp = r.tensor_parallel_size
+    shard_numel, shard_kvd = vllm_shard_numel(arch, tp)
+    of_tp = f", 1/{tp} per device" if tp > 1 else ""
+    items = [Item("rollout_weights", f"rollout weights (vllm: {cfg.model.dtype}{of_tp})", shard_numel * e,
+                  hint="raise rollout.tensor_parallel_size or rollout.gpu_memory_utilization, or use a smaller "
+                  "model")]
     if on_accelerator:
-        # vLLM takes gpu_memory_utilization of the device; its KV cache is what its weights and
-        # activations leave: it must hold max_slots sequences (at least one of max_model_len)
+        # vLLM takes gpu_memory_utilization of each device; its KV cache is what its weights and
+        # activations leave: it must hold max_slots sequences (at least one of max_model_len), each
+        # device the key/value heads of its shard
         tokens = max(concurrent * (p + n_new), max_model_len)
         items.append(Item("kv_cache", f"KV cache needed ({concurrent} seqs x {p + n_new} tokens, at least "
-                          f"max_model_len {max_model_len})", tokens * kv_per_token * e, estimate=True,
-                          hint="raise rollout.gpu_memory_utilization, lower rollout.max_slots or "
-                          "rollout.max_model_len"))
+                          f"max_model_len {max_model_len}{of_tp})", tokens * arch.num_layers * 2 * shard_kvd * e,
+                          estimate=True, hint="raise rollout.gpu_memory_utilization or rollout.tensor_parallel_size, "
+                          "lower rollout.max_slots or rollout.max_model_len"))
         note = "vLLM fills its share: the headroom goes to its activations and more KV blocks"
         return items + bucket, r.gpu_memory_utilization, note
     items.append(Item("kv_cache", "KV cache (rollout.vllm_kv_cache_gb)", int(r.vllm_kv_cache_gb * GiB),
@@ -395,6 +416,7 @@ def plan_memory(cfg: Config, arch: "ModelArch", device_memory: Optional[int] = N
         devices.append(DevicePlan(who, where, _trainer_items(arch, cfg, stage, dp), device_memory, count=hi - lo + 1))
     sync = cfg.trainer.mode == "sync"
     workers = 0 if sync else cfg.rollout.num_workers
+    rollout_tp = cfg.rollout.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1
     # workers on other nodes (rollout.remote_workers, rollout/remote.py): same engine, own devices
     remote = 0 if sync else getattr(cfg.rollout, "remote_workers", 0)
     if sync:
@@ -412,25 +434,29 @@ def plan_memory(cfg: Config, arch: "ModelArch", device_memory: Optional[int] = N
         else:
             devices[0] = rank0
     elif workers + remote:
-        # every engine serves an equal share of each batch
+        # every engine serves an equal share of each batch; a vLLM engine spans rollout_tp devices
         items, share, note = _rollout_items(arch, cfg, workers + remote, on_accel)
+        engine = cfg.rollout.engine + (f" TP {rollout_tp}, {rollout_tp} devices per worker" if rollout_tp > 1 else "")
         if workers:
-            where = f"{dev} {_span(local, local + workers - 1)}" if on_accel else ""
+            where = f"{dev} {_span(local, local + workers * rollout_tp - 1)}" if on_accel else ""
             devices.append(DevicePlan(f"rollout worker{'s' if workers > 1 else ''} {_span(0, workers - 1)}, "
-                                      f"{cfg.rollout.engine}", where, items, worker_memory, share=share, note=note,
-                                      count=workers))
+                                      f"{engine}", where, items, worker_memory, share=share, note=note,
+                                      count=workers * rollout_tp))
         if remote:
             devices.append(DevicePlan(f"remote rollout worker{'s' if remote > 1 else ''} "
-                                      f"{_span(workers, workers + remote - 1)}, {cfg.rollout.engine}",
+                                      f"{_span(workers, workers + remote - 1)}, {engine}",
                                       "other nodes" if on_accel else "", list(items), worker_memory, share=share,
-                                      note=note, count=remote))
+                                      note=note, count=remote * rollout_tp))
     numel, _ = stage_param_numel(arch)
     header = [f"model: {arch_source or arch.arch}: {numel / 1e9:.2f}e9 parameters, {arch.num_layers} layers, "
               f"hidden {arch.hidden_size}, vocab {arch.vocab_size}; model.dtype {cfg.model.dtype}",
               f"layout: backend {dev}, TP={tp} PP={pp} DP={dp} ({world} trainer process{'es' if world > 1 else ''}), "
               f"mode {cfg.trainer.mode}, {workers} rollout worker{'s' if workers != 1 else ''}"
               + (f" + {remote} on other nodes" if remote else "")
-              + (f" ({cfg.rollout.engine})" if workers + remote else ""),
+              + (f" ({cfg.rollout.engine}" + (f", TP {rollout_tp}" if rollout_tp > 1 else "") + ")"
+                 if workers + remote else "")
+              + (f"; {local + workers * rollout_tp} {dev} devices on this node ({local} trainer + {workers} x "
+                 f"{rollout_tp} rollout)" if on_accel and workers else ""),
               f"lengths: micro-batch {cfg.actor.micro_batch_size} sequences of {cfg.data.max_prompt_length} prompt + "
               f"{cfg.rollout.max_new_tokens} new tokens; rollout.max_slots {cfg.rollout.max_slots}"]
     notes = []

@@ -124,6 +124,44 @@ def test_device_placement_needs_enough_devices(monkeypatch):
     assert {w["device"] for w in workers} == {"npu:0"}
 
 
+
+@pytest.mark.parametrize("name, var", [("cuda", "CUDA_VISIBLE_DEVICES"), ("npu", "ASCEND_RT_VISIBLE_DEVICES")])
+def test_a_tensor_parallel_worker_sees_its_group_of_devices(monkeypatch, name, var):
+    """rollout.tensor_parallel_size 2: each worker holds 2 devices after the trainer's, listed in
+    its visible-devices variable (physical ids), and the count check counts workers x 2."""
+    from periodic_async.backend import _BACKENDS
+    b = _BACKENDS[name]                                   # the placement rule only; no device stack
+    monkeypatch.setattr(type(b), "device_count", lambda self: 8)
+    monkeypatch.delenv(var, raising=False)
+    workers, _ = b.rollout_placements(num_workers=2, trainer_procs=4, devices_per_worker=2)
+    assert [w["env"] for w in workers] == [{var: "4,5"}, {var: "6,7"}]
+    assert {w["device"] for w in workers} == {f"{name}:0"}     # vLLM's rank 0 device inside the worker
+    monkeypatch.setenv(var, "8,9,10,11,12,13,14,15")
+    workers, _ = b.rollout_placements(num_workers=1, trainer_procs=2, devices_per_worker=4)
+    assert [w["env"] for w in workers] == [{var: "10,11,12,13"}]
+    with pytest.raises(BackendUnavailable, match=f"4 trainer processes \\+ 3 rollout workers x 2 devices each "
+                                                 f"\\(rollout.tensor_parallel_size\\) need 10 {name} devices on this "
+                                                 f"node; 8 visible"):
+        b.rollout_placements(num_workers=3, trainer_procs=4, devices_per_worker=2)
+
+
+def test_a_tensor_parallel_worker_on_a_rollout_node_sees_its_group(monkeypatch):
+    from periodic_async.backend import _BACKENDS
+    npu = _BACKENDS["npu"]
+    monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)
+    assert npu.node_worker_placement(1, 4, devices_per_worker=2)["env"] == {"ASCEND_RT_VISIBLE_DEVICES": "2,3"}
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "8,9,10,11")
+    assert npu.node_worker_placement(1, 2, devices_per_worker=2)["env"] == {"ASCEND_RT_VISIBLE_DEVICES": "10,11"}
+    assert npu.node_worker_placement(3, 4)["env"] == {"ASCEND_RT_VISIBLE_DEVICES": "11"}
+    with pytest.raises(BackendUnavailable, match="needs 8 visible npu devices"):
+        npu.node_worker_placement(2, 4, devices_per_worker=2)
+
+
+def test_a_cpu_worker_cannot_span_devices():
+    with pytest.raises(ValueError, match="devices_per_worker: 2 needs backend cuda or npu"):
+        get_backend("cpu").rollout_placements(num_workers=1, trainer_procs=1, devices_per_worker=2)
+
+
 # The npu set-up in a fresh interpreter with stand-ins on the path: a torch_npu that registers a
 # visible `torch.npu`, and a mindspeed whose megatron_adaptor only records that it was imported.
 _FAKE_TORCH_NPU = "import torch, types\ntorch.npu = types.SimpleNamespace(is_available=lambda: True)\n"

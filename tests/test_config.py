@@ -170,3 +170,43 @@ def test_dataclass_defaults_validate():
 def test_rollout_ignore_eos_loads_typed():
     assert load_config(DEFAULT).rollout.ignore_eos is False
     assert load_config(DEFAULT, ["rollout.ignore_eos=true"]).validate(world_size=1).rollout.ignore_eos is True
+
+
+
+_VLLM_GPU = ["backend=cuda", "rollout.engine=vllm"]
+
+
+@pytest.mark.parametrize("overrides, kwargs, message", [
+    (["rollout.tensor_parallel_size=0"], {}, "rollout.tensor_parallel_size: must be an integer >= 1, got 0"),
+    (["backend=cuda", "rollout.tensor_parallel_size=2"], {},
+     "rollout.tensor_parallel_size: 2 needs rollout.engine: vllm"),
+    (["rollout.engine=vllm", "rollout.tensor_parallel_size=2"], {},
+     "rollout.tensor_parallel_size: 2 > 1 needs backend cuda or npu"),
+    ([*_VLLM_GPU, "rollout.tensor_parallel_size=2", "rollout.weight_sync=broadcast"], {},
+     "rollout.tensor_parallel_size: 2 > 1 needs rollout.weight_sync: shm"),
+    ([*_VLLM_GPU, "rollout.tensor_parallel_size=2", "rollout.weight_sync=broadcast", "rollout.remote_workers=1"], {},
+     "rollout.tensor_parallel_size: 2 > 1 is not supported with rollout.remote_workers"),
+    ([*_VLLM_GPU, "rollout.tensor_parallel_size=3"], dict(num_heads=12, num_kv_heads=2),
+     "rollout.tensor_parallel_size: 3 and the model's 2 key/value heads must divide one another"),
+    ([*_VLLM_GPU, "rollout.tensor_parallel_size=8"], dict(num_heads=28, num_kv_heads=4),
+     "rollout.tensor_parallel_size: 8 does not divide the model's 28 attention heads"),
+])
+def test_rollout_tensor_parallel_size_is_checked(overrides, kwargs, message):
+    cfg = load_config(DEFAULT, overrides)
+    with pytest.raises(ConfigError) as e:
+        cfg.validate(world_size=1, **kwargs)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_rollout_tensor_parallel_and_enforce_eager_load_typed():
+    cfg = load_config(DEFAULT)
+    assert cfg.rollout.tensor_parallel_size == 1 and cfg.rollout.enforce_eager is None   # null: by backend
+    cfg = load_config(DEFAULT, [*_VLLM_GPU, "rollout.tensor_parallel_size=4", "rollout.enforce_eager=false"])
+    cfg.validate(world_size=1, num_heads=28, num_kv_heads=4)       # e.g. Qwen2.5-7B: 4 KV heads, one per device
+    assert cfg.rollout.tensor_parallel_size == 4 and cfg.rollout.enforce_eager is False
+    load_config(DEFAULT, [*_VLLM_GPU, "rollout.tensor_parallel_size=8"]).validate(
+        world_size=1, num_heads=64, num_kv_heads=8)               # a 72B-like model: 64 heads, 8 KV heads
+    with pytest.raises(ConfigError, match="rollout.enforce_eager: expected true or false or null, got str 'yes please'"):
+        load_config(DEFAULT, ["rollout.enforce_eager=yes please"])
+    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size: expected an integer, got float 1.5"):
+        load_config(DEFAULT, ["rollout.tensor_parallel_size=1.5"])

@@ -184,3 +184,35 @@ def test_adaptive_group_size_is_planned_at_its_worst_k():
     cfg, arch, _ = _load([*base, "rollout.group_sizing=sagc", cands, "rollout.n=4"])
     peak = plan_memory(cfg, arch, 64 * GiB, world_size=4).devices[0].peak
     assert peak >= max(plan_memory(c, arch, 64 * GiB, world_size=4).devices[0].peak for c in at.values())
+
+
+def test_a_tensor_parallel_rollout_engine_is_planned_per_device():
+    """rollout.tensor_parallel_size 2: each of a worker's devices holds half the weights (heads,
+    MLP and vocabulary split, norms replicated) and half the KV cache (4 KV heads, 2 per device);
+    the workers take num_workers x 2 devices after the trainer's, each with vLLM's share."""
+    from periodic_async.memory_plan import plan_memory, stage_param_numel, vllm_shard_numel
+    cfg1, arch, _ = _load(["rollout.num_workers=2"])
+    cfg2, _, _ = _load(["rollout.num_workers=2", "rollout.tensor_parallel_size=2"])
+    assert vllm_shard_numel(arch, 1)[0] == stage_param_numel(arch)[0]      # TP 1: the whole model, as before
+    one = plan_memory(cfg1, arch, 64 * GiB, world_size=4).devices[1]
+    plan = plan_memory(cfg2, arch, 64 * GiB, world_size=4)
+    two = plan.devices[1]
+    w1, w2 = ({i.key: i.nbytes for i in d.items} for d in (one, two))
+    assert w2["kv_cache"] * 2 == w1["kv_cache"]
+    assert w1["rollout_weights"] / 2 < w2["rollout_weights"] < w1["rollout_weights"] / 2 * 1.001   # + replicated norms
+    assert (one.devices, one.count) == ("npu 4-5", 2) and (two.devices, two.count) == ("npu 4-7", 4)
+    assert two.limit == int(0.9 * 64 * GiB) and "TP 2, 2 devices per worker" in two.name
+    assert "8 npu devices on this node (4 trainer + 2 x 2 rollout)" in plan.format()
+    # KV heads fewer than TP are replicated (vLLM: at least one per device), not split further
+    assert vllm_shard_numel(arch, 8)[1] == arch.head_dim
+
+
+def test_tensor_parallel_rollout_fits_where_one_device_did_not():
+    """Weights that overflow vLLM's share of one device fit once split over two."""
+    from periodic_async.memory_plan import plan_memory
+    small = ["rollout.gpu_memory_utilization=0.2", "rollout.num_workers=2"]
+    cfg, arch, _ = _load(small)
+    assert not plan_memory(cfg, arch, 64 * GiB, world_size=4).fits
+    cfg, arch, _ = _load([*small, "rollout.tensor_parallel_size=2"])
+    plan = plan_memory(cfg, arch, 64 * GiB, world_size=4)
+    assert plan.fits, plan.format()

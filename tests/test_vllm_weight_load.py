@@ -12,6 +12,7 @@ callable is called with the worker). tests/test_vllm_engine.py checks the real v
 from __future__ import annotations
 
 import contextlib
+import pickle
 
 import pytest
 import torch
@@ -195,3 +196,68 @@ def test_update_weights_end_to_end_through_collective_rpc(case, monkeypatch):
     # a stream missing a tensor is refused (the model would keep a stale weight)
     with pytest.raises(KeyError, match="no tensor received for \\['proj.bias'\\]"):
         eng.update_weights(iter(_new_weights()[:1]), version=5)
+
+
+# ---------------------------------------------------------------------- tensor parallel (TP > 1)
+
+class PicklingTPEngine(FakeLLMEngine):
+    """vLLM's multiproc executor as the weight sync sees it (rollout.tensor_parallel_size > 1): each
+    TP rank is a process of its own, so every collective_rpc / apply_model pickles what it sends
+    (vLLM: the function by cloudpickle, its arguments by plain pickle onto a shared-memory queue;
+    here both by plain pickle) and runs it once per rank; one result per rank comes back."""
+
+    def __init__(self, tp: int):
+        super().__init__(None)
+        self.workers = [WorkerWithReload(StreamingRunner(TinyModel())) for _ in range(tp)]
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        payload = pickle.dumps((method, args, kwargs or {}))    # a generator or a closure fails here
+        return [_call(worker, *pickle.loads(payload)) for worker in self.workers]
+
+    def apply_model(self, func):
+        payload = pickle.dumps(func)
+        return [pickle.loads(payload)(worker.model_runner.get_model()) for worker in self.workers]
+
+
+def _call(worker, method, args, kwargs):
+    return method(worker, *args, **kwargs)
+
+
+REPACKED: list = []
+
+
+def _record_repack(model) -> int:      # module-level: picklable by reference, as a TP rank needs
+    REPACKED.append(model)
+    return 0
+
+
+def test_tp_weight_sync_sends_every_rank_the_buffers_handle(monkeypatch):
+    """With TP > 1 the stream of today's in-process path cannot reach vLLM's TP processes (a
+    generator does not pickle): each rank gets the pool's named buffer (SharedWeights) and loads
+    every tensor from it; the parameter-name check and the re-pack run on every rank too."""
+    from periodic_async.rollout.weight_sync import SharedWeights
+    with pytest.raises(TypeError, match="pickle"):        # the fake is as strict as vLLM's queue
+        PicklingTPEngine(2).collective_rpc(vllm_engine._load_into_worker, args=((w for w in _new_weights()),))
+    monkeypatch.setattr(vllm_engine, "_repack_cpu_embedding_gemms", _record_repack)
+    REPACKED.clear()
+    shared = SharedWeights.create([(n, tuple(t.shape)) for n, t in _new_weights()], torch.float32)
+    try:
+        for (_, view), (_, t) in zip(shared, _new_weights()):
+            view.copy_(t)
+        eng = vllm_engine.VLLMRolloutEngine.__new__(vllm_engine.VLLMRolloutEngine)   # no vLLM start-up
+        eng.engine, eng.policy_version, eng.last_update, eng.tensor_parallel_size = PicklingTPEngine(2), 0, {}, 2
+        eng.update_weights(shared, version=3)
+        for worker in eng.engine.workers:
+            _assert_landed(worker.model_runner.model)
+            assert worker.model_runner.calls == [{"weights_path": None, "is_checkpoint_format": True}]
+        assert len(REPACKED) == 2 and eng.policy_version == 3
+        assert eng.last_update["path"] == "model_runner.reload_weights"
+        assert (eng.last_update["tensors"], eng.last_update["bytes"]) == (2, (6 + 2) * 4)
+        with pytest.raises(TypeError, match="tensor_parallel_size > 1 loads weights from a weight_sync.SharedWeights"):
+            eng.update_weights(iter(_new_weights()), version=4)
+        # a handle whose layout lacks a parameter is refused like a short stream
+        short = SharedWeights(shared.path, shared.dtype, shared.layout[:1])
+        with pytest.raises(KeyError, match="no tensor received for \\['proj.bias'\\]"):
+            eng.update_weights(short, version=5)
+    finally:
+        shared.unlink()

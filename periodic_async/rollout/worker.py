@@ -70,6 +70,10 @@ class WorkerSettings:
     dtype: str = "float32"                # the engine's and the sync's weight dtype (model.dtype)
     # take weight updates mid-generation when the engine can (rollout.interruptible); else drain
     interruptible: bool = True
+    # vllm: devices per engine (rollout.tensor_parallel_size). > 1: vLLM's TP processes load new
+    # weights from the pool's buffer by name (weight_sync.SharedWeights), shm sync only
+    tensor_parallel_size: int = 1
+    enforce_eager: bool | None = None     # vllm: no CUDA / ACL graphs (None: on cpu only)
 
 
 Layout = list[tuple[str, tuple[int, ...]]]
@@ -82,6 +86,13 @@ def _views(buf: torch.Tensor, layout: Layout) -> Iterator[tuple[str, torch.Tenso
         n = math.prod(shape)
         yield name, buf[offset:offset + n].view(shape)
         offset += n
+
+
+def _weights(buf, layout: Layout):
+    """What an engine loads from the pool's buffer: views of the tensor the worker was given, or,
+    for a vLLM engine with tensor parallelism, the buffer's named handle (weight_sync.SharedWeights:
+    picklable, so vLLM's TP processes open it themselves; iterating it gives the same views)."""
+    return _views(buf, layout) if isinstance(buf, torch.Tensor) else buf
 
 
 def _dtype(settings: WorkerSettings) -> torch.dtype:
@@ -116,13 +127,15 @@ def _worker_main(wid: int, settings: WorkerSettings, placement: dict, inbox, out
             engine = VLLMRolloutEngine(settings.model_dir, settings.pad_token_id, settings.eos_token_id, settings.max_slots, device,
                                        max_model_len=settings.max_model_len, load_format=settings.load_format,
                                        dtype=settings.dtype, kv_cache_gb=settings.kv_cache_gb,
-                                       gpu_memory_utilization=settings.gpu_memory_utilization)
+                                       gpu_memory_utilization=settings.gpu_memory_utilization,
+                                       enforce_eager=settings.enforce_eager,
+                                       tensor_parallel_size=settings.tensor_parallel_size)
         else:
             from .hf_engine import HFRolloutEngine
             engine = HFRolloutEngine(settings.model_dir, settings.pad_token_id, settings.eos_token_id, settings.max_slots, device)
         if sync is None:
             if version > 0 or settings.load_format == "dummy":
-                engine.update_weights(_views(buf, layout), version)
+                engine.update_weights(_weights(buf, layout), version)
             outbox.send(("ready", wid, os.getpid(), version))
         else:
             # broadcast sync: say ready, join this worker's pair group with the pool (which joins
@@ -164,7 +177,7 @@ def _worker_main(wid: int, settings: WorkerSettings, placement: dict, inbox, out
                 break
         if state["update"] is not None and (interrupt or (idle and not new)):
             v = state["update"]
-            engine.update_weights(_views(buf, layout) if sync is None else receive(), v)
+            engine.update_weights(_weights(buf, layout) if sync is None else receive(), v)
             state["update"] = None
             outbox.send(("updated", wid, v))
             new += held
@@ -250,7 +263,12 @@ class WorkerPool:
         self.staleness = staleness
         self.placed: dict[int, dict] = {}     # wid -> the device and visible-device variables it reported
         self._ctx = mp.get_context("spawn")
-        self._buf = torch.zeros(sum(math.prod(s) for _, s in layout), dtype=dtype).share_memory_()
+        self._shared = self._buf = None
+        if settings.tensor_parallel_size > 1:
+            self._shared = self._named_buffer(settings, layout, dtype)
+            self._buf = self._shared.tensor()
+        else:
+            self._buf = torch.zeros(sum(math.prod(s) for _, s in layout), dtype=dtype).share_memory_()
         self.version = initial_version
         if initial_version and initial_weights is None:
             raise ValueError("a pool starting at a version > 0 needs that version's initial_weights")
@@ -303,6 +321,23 @@ class WorkerPool:
         except BaseException:
             self.close()
             raise
+
+    def _named_buffer(self, settings: WorkerSettings, layout: Layout, dtype: torch.dtype):
+        """The weights buffer as a named file (weight_sync.SharedWeights), for vLLM engines whose
+        TP processes load from it; removed when the pool closes or is collected."""
+        if settings.engine != "vllm" or settings.weight_sync != "shm":
+            raise ValueError(f"tensor_parallel_size {settings.tensor_parallel_size} needs engine 'vllm' and "
+                             f"weight_sync 'shm' (got '{settings.engine}', '{settings.weight_sync}')")
+        import weakref
+
+        from .weight_sync import SharedWeights
+        shared = SharedWeights.create(layout, dtype)
+        self._unlink_buffer = weakref.finalize(self, shared.unlink)
+        return shared
+
+    def _worker_buffer(self):
+        """What a local worker gets of the buffer: the shared tensor, or its named handle (TP > 1)."""
+        return self._buf if self._shared is None else self._shared
 
     @property
     def num_workers(self) -> int:
@@ -386,7 +421,8 @@ class WorkerPool:
             sync = (self._sync_address, self._keys[wid])
         p = self._ctx.Process(target=_worker_main, name=f"rollout-worker-{wid}", daemon=True,
                               args=(wid, self.settings, self.placements[wid], inbox, writer,
-                                    self._buf if sync is None else None, self.layout, self.version, sync))
+                                    self._worker_buffer() if sync is None else None, self.layout,
+                                    self.version, sync))
         from ..backend import get_backend
         with get_backend(self.settings.backend).spawn_env(self.placements[wid]):
             p.start()
@@ -684,3 +720,5 @@ class WorkerPool:
                 h.process.kill()
                 h.process.join(timeout=5)
         self._spawner.shutdown(wait=False)
+        if self._shared is not None:
+            self._unlink_buffer()

@@ -88,7 +88,8 @@ class Trainer:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         worker_placements, trainer_placement = self.backend.rollout_placements(
             cfg.rollout.num_workers if cfg.trainer.mode != "sync" else 0, local_world,
-            share_cores=cfg.rollout.cpu_cores == "shared" and cfg.rollout.engine == "hf")
+            share_cores=cfg.rollout.cpu_cores == "shared" and cfg.rollout.engine == "hf",
+            devices_per_worker=cfg.rollout.tensor_parallel_size)
         self.core_seat = trainer_placement.get("seat")     # cpu, shared cores: see backend.CoreSeat
         self.device = self.backend.trainer_device(trainer_placement, self.local_rank, local_world)
 
@@ -262,7 +263,9 @@ class Trainer:
                                   kv_cache_gb=cfg.rollout.vllm_kv_cache_gb,
                                   gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, weight_sync=cfg.rollout.weight_sync,
                                   bucket_bytes=int(cfg.actor.export_bucket_mb * (1 << 20)), dtype=cfg.model.dtype,
-                                  interruptible=cfg.rollout.interruptible)
+                                  interruptible=cfg.rollout.interruptible,
+                                  tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+                                  enforce_eager=cfg.rollout.enforce_eager)
         pool = WorkerPool(settings, placements, hf_layout(self.arch), torch_dtype(cfg.model.dtype),
                           cfg.rollout.worker_timeout_s, initial_weights=initial, staleness=self.staleness,
                           remote_workers=cfg.rollout.remote_workers, remote_address=cfg.rollout.remote_address,
