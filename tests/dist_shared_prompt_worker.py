@@ -14,9 +14,10 @@ import json
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dist_tp_worker import _exit_when_orphaned  # noqa: E402,F401  (also guards this worker)
+
+import torch  # noqa: E402
 
 
 def main() -> None:
