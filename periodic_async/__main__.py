@@ -84,9 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: rollout workers and reward processes stopped", file=sys.stderr)
         return 130
-    import torch.distributed as dist
-    if dist.is_initialized():   # leave the rendezvous cleanly (torchrun waits for every rank)
-        dist.destroy_process_group()
+    from .backend import Backend
+    Backend.shutdown_distributed()
     if history and int(os.environ.get("RANK", "0")) == 0:
         first, last = (h.get("critic/score/mean", float("nan")) for h in (history[0], history[-1]))
         print(f"done: {len(history)} steps, score {first:.3f} -> {last:.3f}, metrics in "

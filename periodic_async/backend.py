@@ -283,6 +283,23 @@ class Backend:
         self.manual_seed(seed)
 
 
+    @staticmethod
+    def shutdown_distributed() -> None:
+        """Leave the process groups at the end of a process (torchrun waits for every rank).
+
+        torch < 2.8 destroys a gloo group holding the GIL while it joins the group's threads
+        (pytorch PR #154976 releases it); a thread still freeing a just-finished collective whose
+        tensors Python already dropped (all_gather_object's) waits for that GIL: destroy right after
+        such a collective deadlocked ~1 run in 10 on torch 2.7.1, the Ascend stack's. So: a barrier,
+        then a sleep (it releases the GIL) for the threads to finish before the destroy."""
+        if not dist.is_initialized():
+            return
+        dist.barrier()
+        if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 8):
+            import time
+            time.sleep(0.2)
+        dist.destroy_process_group()
+
     def pair_group(self, store: "dist.Store", rank: int, size: int, timeout_s: float):
         """A process group of `size` members on `store` alone (never the default group, so it
         touches neither Megatron's groups nor vLLM's): gloo / NCCL / HCCL by device."""

@@ -51,8 +51,7 @@ def main() -> None:
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(out, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    backend.shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def main() -> None:
             print(f"[rank 0] {name}: layout(tp,pp,dp)={res['layout']} epoch1={res['epoch1']} "
                   f"({time.time() - t0:.1f} s)", flush=True)
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    backend.shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ def main() -> None:
                   f"replicated_grad_max_diff={res['replicated_grad_max_diff']:.3g} ({time.time() - t0:.1f} s)",
                   flush=True)
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    backend.shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -30,16 +30,15 @@ def main() -> None:
     ap.add_argument("config")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    import torch.distributed as dist
     from periodic_async.backend import get_backend
     from periodic_async.config import load_config
     from periodic_async.train.trainer import Trainer
-    get_backend("cpu")
+    backend = get_backend("cpu")
     install_collective_guard()   # NCCL / HCCL rules: no float64, no tensor off the device
     trainer = Trainer(load_config(args.config, args.overrides))
     mixed_k_hook(tuple(int(k) for k in args.sizes.split(",")))(trainer)
     trainer.fit()
-    dist.destroy_process_group()
+    backend.shutdown_distributed()
 
 
 if __name__ == "__main__":
