@@ -159,9 +159,8 @@ def test_padding_micro_batches_carry_no_loss(tmp_path):
     from periodic_async.train.feed import GroupFeed
 
     trainer = Trainer(_cfg(tmp_path / "a", "sync", *SWITCHES["pilot"], steps=1))
-    plan = trainer.planner.plan(1)
-    trainer.producer.start(plan)
-    groups = list(trainer.producer.groups())
+    plan, _ = trainer.producer.batch(1)
+    groups = list(trainer.producer.groups(1))
     trained = [g for g in groups if g.size]
     assert 0 < len(trained) < len(groups)      # some positions stayed empty
     state = {n: p.detach().clone() for n, p in trainer.actor.policy.named_parameters()}

@@ -29,7 +29,7 @@ def _cfg(tmp_path, *extra):
 
 def test_short_run_changes_policy_not_reference(tmp_path):
     trainer = Trainer(_cfg(tmp_path))
-    trainer_engine = trainer.producer.engine
+    trainer_engine = trainer.producer.pool.engine
     policy0 = {n: p.detach().clone() for n, p in trainer.actor.policy.named_parameters()}
     ref0 = {n: p.detach().clone() for n, p in trainer.actor.reference.named_parameters()}
     history = trainer.fit()

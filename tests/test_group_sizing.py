@@ -321,9 +321,9 @@ def test_three_step_sync_run_logs_sagc_metrics_and_groups_have_the_chosen_k(tmp_
     trained = []                          # per step, the sizes of the groups the trainer consumed
     groups = trainer.producer.groups
 
-    def recording_groups():
+    def recording_groups(step):
         trained.append([])
-        for g in groups():
+        for g in groups(step):
             trained[-1].append(g.size)
             yield g
     trainer.producer.groups = recording_groups

@@ -68,12 +68,13 @@ def test_periodic_with_shuffled_arrival_equals_sync(sync_run, tmp_path):
 
     def hook(trainer):
         producer = trainer.producer
-        produce = producer._produce
+        batch_done = producer.batch_done
 
-        def recording_produce(plan):
-            produce(plan)
-            arrivals.append([r.group_index for r in producer.stats.results])
-        producer._produce = recording_produce
+        def recording_batch_done(step):
+            stats, metrics = batch_done(step)
+            arrivals.append([r.group_index for r in stats.results])
+            return stats, metrics
+        producer.batch_done = recording_batch_done
 
     trainer, history, params = _run(tmp_path, "periodic", "rollout.num_workers=2", "rollout.max_slots=5",
                                     "rollout.arrival_jitter_s=0.01", hook=hook)

@@ -192,6 +192,21 @@ class BatchPlanner:
             requests.append(RolloutRequest(i, ids, k, self.sampling, request_seed(self.seed, step, i)))
         return BatchPlan(step, requests, {i: rec.answer for i, rec in enumerate(records)})
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the planner: the loader's position, the group sizer's and
+        the allocator's state (None where they hold none)."""
+        sizer_state = getattr(self.group_sizer, "state_dict", None)
+        return {"loader": self.loader.state_dict(),
+                "group_sizer": sizer_state() if sizer_state is not None else None,
+                "allocator": self.allocator.state_dict() if self.allocator is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state["loader"])
+        if state.get("group_sizer") is not None and hasattr(self.group_sizer, "load_state_dict"):
+            self.group_sizer.load_state_dict(state["group_sizer"])
+        if state.get("allocator") is not None and self.allocator is not None:
+            self.allocator.load_state_dict(state["allocator"])
+
     def _allocated_plan(self, step: int) -> AllocatedPlan:
         """The allocator draws the step's prompts itself (and more during the step, for backfill);
         a prompt left out by `tokenize` is skipped like in plan()."""

@@ -1,19 +1,23 @@
-"""The producer (the temporary data generator): one batch plan in, scored groups out.
+"""The producer core: every training mode runs through this one loop (mode.py says what a mode is).
 
-- `ColocatedProducer` (mode `sync`): the rollout engine lives in the trainer process; the whole
-  batch is generated, then scored, then handed over.
-- `AsyncProducer` (mode `async`): batches dispatched ahead within the staleness bound, below.
-- `WorkerProducer` (modes `periodic` and `sync_split`): a producer thread dispatches the batch's
-  requests to the rollout worker processes, assembles each request's responses as they finish,
-  scores them (off the trainer's critical path), sends whatever the plan asks for next under the
-  same policy version (plan.py: `on_scored`; pilot -> commit, backfill) and puts each group ready
-  to train on a bounded queue.
-  In `periodic` the trainer consumes groups in completion order while the rest still generate;
-  `sync_split` (the fair baseline on the same device split) hands groups over only once the whole
-  batch is generated.
+One thread owns the rollout pool (worker processes, or the trainer's own engine behind the same
+interface: rollout/colocated.py). It plans batch b and dispatches its requests as soon as the
+engines hold version b - 1 - eta (staleness.py: `may_dispatch`; eta = 0: the previous step's
+weights), so up to eta + 1 batches generate at once; it assembles each request's responses as
+they arrive, scores them, asks the batch's plan what follows (plan.py: `on_scored`: pilot ->
+commit, backfill) and sends that under the same policy, computes the advantages of each group
+ready to train on and hands it to the trainer: at once (`periodic`, `async`) or once the whole
+batch is scored (`sync`, `sync_split`). At the end of a batch it tells the group sizer the
+lengths it saw (SAGC's feedback), before the next batch is planned when eta = 0.
 
-`start(plan)` is called only after the weights of version `plan.step - 1` reached every engine,
-so a batch never mixes policies; every result carries the version that produced it.
+The trainer's side: `batch(step)` (the plan, once dispatched), `groups(step)` (its groups, in
+the order they are released), `batch_done(step)` (the rollout statistics and the plan's and the
+sizer's metrics), `update_weights(named, version)`, `planner_state(step)` for a checkpoint after
+`step`, `generate_eval(requests)` for validation, `close()`.
+
+Weights: with eta = 0 `update_weights` returns once every engine holds the version (nothing is
+generating then: the batch is over and the next one waits for these weights); with eta > 0 they
+are posted and the workers take them mid-generation (every token tagged with its version).
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ from typing import Iterator
 
 from ..rollout.base import RolloutRequest, RolloutResult
 from .group import Group
+from .group_sizing import prompt_key
+from .mode import Mode
 from .plan import BatchPlan
 from .scorer import Scorer
 
@@ -48,188 +54,7 @@ class RolloutStats:
         return self.t_last_group - self.t_dispatch
 
 
-class GroupProducer:
-    """start(plan) begins a batch; groups() yields its num_groups scored groups; close()."""
-
-    def start(self, plan: BatchPlan) -> None:
-        raise NotImplementedError
-
-    def groups(self) -> Iterator[Group]:
-        raise NotImplementedError
-
-    def update_weights(self, named_tensors, version: int) -> None:
-        raise NotImplementedError
-
-    def generate_eval(self, requests: list[RolloutRequest]) -> list[RolloutResult]:
-        """Generate requests outside any batch (validation), between batches: every result once."""
-        raise NotImplementedError
-
-    @property
-    def stats(self) -> RolloutStats:
-        return self._stats
-
-    def close(self) -> None:
-        pass
-
-
-class ColocatedProducer(GroupProducer):
-    """Mode `sync`: generate the whole batch in-process, score it, then hand it over."""
-
-    def __init__(self, engine, scorer: Scorer):
-        self.engine, self.scorer = engine, scorer
-        self._groups: list[Group] = []
-        self._stats = RolloutStats()
-
-    def start(self, plan: BatchPlan) -> None:
-        """Generate in rounds: the plan's requests, then whatever its answers to their scored
-        parts ask for (pilot -> commit, backfill), until nothing is left."""
-        self._stats = stats = RolloutStats(t_dispatch=time.perf_counter())
-        self._groups = []
-        pending = list(plan.requests)
-        while pending:
-            results = list(self.engine.generate(pending))
-            stats.t_last_group = time.perf_counter()
-            stats.results += results
-            by_request = _split_by_request(pending, results)
-            parts = [plan.part_group(req, got) for req, got in zip(pending, by_request)]
-            self.scorer.rewards(parts, stats)
-            sent, pending = pending, []
-            for req, part in zip(sent, parts):
-                more, ready = plan.on_scored(req, part)
-                pending += more
-                self._groups += ready
-        self.scorer.advantages(self._groups)
-        self._groups += plan.finish()
-
-    def groups(self) -> Iterator[Group]:
-        yield from self._groups
-
-    def update_weights(self, named_tensors, version: int) -> None:
-        self.engine.update_weights(named_tensors, version)
-
-    def generate_eval(self, requests: list[RolloutRequest]) -> list[RolloutResult]:
-        return list(self.engine.generate(requests))
-
-    def close(self) -> None:
-        self.engine.close()
-
-
-def _split_by_request(requests: list[RolloutRequest], results: list[RolloutResult]) -> list[list[RolloutResult]]:
-    """Each request's results, in request order (a slot may have several requests: pilot, commit)."""
-    owner = {}
-    for i, req in enumerate(requests):
-        for k in req.samples():
-            owner[(req.group_index, k)] = i
-    out: list[list[RolloutResult]] = [[] for _ in requests]
-    for r in results:
-        i = owner.pop((r.group_index, r.sample_index), None)
-        if i is None:
-            raise RuntimeError(f"group {r.group_index}: sample {r.sample_index} received twice or never requested")
-        out[i].append(r)
-    return out
-
-
 _DONE = object()
-
-
-class WorkerProducer(GroupProducer):
-    """Modes `periodic` / `sync_split`: rollout worker processes fed by a producer thread."""
-
-    def __init__(self, pool, scorer: Scorer, queue_size: int, wait_for_batch: bool):
-        self.pool, self.scorer, self.wait_for_batch = pool, scorer, wait_for_batch
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
-        self._thread: threading.Thread | None = None
-        self._stats = RolloutStats()
-        self._stop = threading.Event()
-
-    def start(self, plan: BatchPlan) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            raise RuntimeError("a batch is still being generated; consume it before starting the next")
-        self._stats = RolloutStats()
-        self._thread = threading.Thread(target=self._produce, args=(plan,), name="rollout-producer", daemon=True)
-        self._thread.start()
-
-    def generate_eval(self, requests: list[RolloutRequest]) -> list[RolloutResult]:
-        if self._thread is not None and self._thread.is_alive():
-            raise RuntimeError("validation while a batch is being generated: run it between batches")
-        self.pool.dispatch(requests)
-        return list(self.pool.results())
-
-    def _produce(self, plan: BatchPlan) -> None:
-        """Dispatch the batch, assemble each request's responses as they finish, score them, send
-        what the plan asks for next, enqueue the groups ready to train on."""
-        stats = self._stats
-        try:
-            stats.t_dispatch = time.perf_counter()
-            owner: dict[tuple[int, int], RolloutRequest] = {}    # (group, sample) -> its request
-            got: dict[int, list[RolloutResult]] = {}              # id(request) -> its results so far
-
-            def send(requests: list[RolloutRequest]) -> None:
-                for req in requests:
-                    got[id(req)] = []
-                    for k in req.samples():
-                        owner[(req.group_index, k)] = req
-                if requests:
-                    self.pool.dispatch(requests)
-
-            send(list(plan.requests))
-            held = []
-            for result in self.pool.results():
-                stats.results.append(result)
-                req = owner.pop((result.group_index, result.sample_index), None)
-                if req is None:
-                    raise RuntimeError(f"group {result.group_index}: sample {result.sample_index} received twice "
-                                       "or never requested")
-                part = got[id(req)]
-                part.append(result)
-                if len(part) < len(req.samples()):
-                    continue
-                del got[id(req)]
-                group = plan.part_group(req, part)
-                self.scorer.rewards([group], stats)
-                more, ready = plan.on_scored(req, group)
-                send(more)
-                self.scorer.advantages(ready)
-                stats.t_last_group = time.perf_counter()
-                if self.wait_for_batch:
-                    held += ready
-                else:
-                    for g in ready:
-                        self._put(g)
-            if got:
-                raise RuntimeError(f"the rollout pool ended the batch with {len(got)} requests incomplete")
-            for group in held + plan.finish():
-                self._put(group)
-            self._put(_DONE)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
-            self._put(e)
-
-    def _put(self, item) -> None:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
-
-    def groups(self) -> Iterator[Group]:
-        while True:
-            item = self._queue.get()
-            if item is _DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-
-    def update_weights(self, named_tensors, version: int) -> None:
-        self.pool.update_weights(named_tensors, version)
-
-    def close(self) -> None:
-        self._stop.set()
-        self.pool.close()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-
 
 # A request's key in the rollout pool is (step * _STEP_STRIDE + its group index, k): batches in
 # flight together keep their own group indices (0.. within a batch); step 0 is validation's.
@@ -237,47 +62,56 @@ _STEP_STRIDE = 1 << 20
 
 
 @dataclass
-class _AsyncBatch:
+class _Batch:
     plan: BatchPlan
-    loader_state: dict          # the prompt loader before this batch was planned
+    planner_state: dict         # the planner (loader, sizer, allocator) before this batch was planned
     prompt_counts: dict         # its skipped / truncated prompts (data/prompts.py)
     stats: RolloutStats
     out: queue.Queue            # its groups ready to train on, then _DONE (or an exception)
     open_requests: int = 0
+    held: list = field(default_factory=list)        # groups kept until the batch ends (release after batch)
+    lengths: list = field(default_factory=list)     # response lengths of each trained group
+    keys: list = field(default_factory=list)        # and its prompt key (the sizer's feedback)
+    metrics: dict = field(default_factory=dict)
 
 
-class AsyncProducer(GroupProducer):
-    """Mode `async` (bounded staleness, trainer.max_staleness = eta): one thread owns the rollout
-    pool. It plans and dispatches batch b as soon as every worker holds version b - 1 - eta or
-    newer (staleness.py: `may_dispatch`), so up to eta + 1 batches generate at once; it assembles
-    and scores each request's responses as they arrive and puts each batch's groups on that
-    batch's own queue, which the trainer reads at step b (`groups(b)`). New weights are posted
-    without waiting (`update_weights`): the workers take them mid-generation and tag each token
-    with its version. eta = 0 is the periodic schedule.
+class Producer:
+    """The one producer core (module docstring). `pool`: rollout/worker.WorkerPool or
+    rollout/colocated.ColocatedPool; `planner`: plan.BatchPlanner, whose state this thread owns
+    while it runs; `prompt_counts()`: the skipped / truncated prompts since the last call;
+    `queue_size`: no further batch is dispatched while this many groups wait for the trainer."""
 
-    `planner.plan(step)` runs on this thread (rank 0's prompt loader is only touched here once
-    the producer runs); `loader_state(s)` is the loader as a checkpoint after step s must hold it:
-    before batch s + 1 was planned, so that a resumed run re-plans and regenerates the batches
-    that were in flight (their samples are not kept) and no prompt is lost or repeated."""
-
-    def __init__(self, pool, scorer: Scorer, planner, rule, first_step: int, last_step: int, prompt_counts):
-        self.pool, self.scorer, self.planner, self.rule = pool, scorer, planner, rule
-        self._next, self._last, self._prompt_counts = first_step, last_step, prompt_counts
-        self._batches: dict[int, _AsyncBatch] = {}
+    def __init__(self, pool, scorer: Scorer, planner, mode: Mode, first_step: int, last_step: int,
+                 prompt_counts, queue_size: int = 1024):
+        self.pool, self.scorer, self.planner, self.mode = pool, scorer, planner, mode
+        self.rule = mode.staleness
+        self._next, self._last, self._prompt_counts, self._queue_size = first_step, last_step, prompt_counts, queue_size
+        self._batches: dict[int, _Batch] = {}
+        self._waiting = 0                                # groups handed over, not yet taken by the trainer
         self._owner: dict[tuple[int, int], tuple[int, RolloutRequest]] = {}   # pool key -> (step, request)
         self._got: dict[int, list[RolloutResult]] = {}                          # id(request) -> results so far
         self._evals: queue.Queue = queue.Queue()       # (requests, results list, done Event) to send
         self._eval: tuple | None = None                 # the one being generated
         self._cond = threading.Condition()
+        self._pool_lock = threading.Lock()              # one reader of the pool at a time
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._stats = RolloutStats()
-        self._thread = threading.Thread(target=self._run, name="rollout-producer-async", daemon=True)
-        self._thread.start()
+        # started by the trainer's first request (batch, generate_eval), not here: whatever is
+        # set up after construction (a resumed planner's state, the colocated engine's weights)
+        # is in place before the first batch is planned
+        self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
+        self._start_lock = threading.Lock()
+
+    def _ensure_started(self) -> None:
+        with self._start_lock:
+            if self._thread.ident is None:
+                self._thread.start()
 
     # ------------------------------------------------------------------ the trainer's side
     def batch(self, step: int) -> tuple[BatchPlan, dict]:
         """Batch `step`'s plan and prompt counts, once it is dispatched (blocks until then)."""
+        self._ensure_started()
         with self._cond:
             while step not in self._batches:
                 if self._error is not None:
@@ -294,28 +128,47 @@ class AsyncProducer(GroupProducer):
         while True:
             item = b.out.get()
             if item is _DONE:
-                with self._cond:
-                    del self._batches[step]
                 return
             if isinstance(item, BaseException):
                 raise item
+            with self._cond:
+                self._waiting -= 1
             yield item
 
-    def loader_state(self, step: int) -> dict:
-        """The prompt loader's state after batch `step` was planned and before batch step + 1."""
+    def batch_done(self, step: int) -> tuple[RolloutStats, dict]:
+        """After `groups(step)` ended: the batch's rollout statistics and metrics (the plan's,
+        the group sizer's); the batch is forgotten."""
+        with self._cond:
+            b = self._batches.pop(step)
+        return b.stats, {**b.plan.end_metrics(), **b.metrics}
+
+    @property
+    def stats(self) -> RolloutStats:
+        """The statistics of the batch the trainer took last (`batch`)."""
+        return self._stats
+
+    def planner_state(self, step: int) -> dict:
+        """The planner's state as a checkpoint after `step` must hold it: before batch step + 1
+        was planned (a resumed run re-plans and regenerates the batches in flight: their samples
+        are not kept, and no prompt is lost or repeated)."""
         with self._cond:
             b = self._batches.get(step + 1)
-            return b.loader_state if b is not None else copy.deepcopy(self.planner.loader.state_dict())
+            return b.planner_state if b is not None else copy.deepcopy(self.planner.state_dict())
 
     def update_weights(self, named_tensors, version: int) -> None:
-        self.pool.post_weights(named_tensors, version)
+        if self.mode.max_staleness > 0:
+            self.pool.post_weights(named_tensors, version)
+            return
+        with self._pool_lock:       # the producer thread polls nothing meanwhile: the batch is over
+            self.pool.update_weights(named_tensors, version)
 
     def generate_eval(self, requests: list[RolloutRequest]) -> list[RolloutResult]:
-        """Validation requests, generated once every worker holds the newest posted weights,
-        beside the batches in flight."""
+        """Validation requests, generated once every engine holds the newest weights, beside any
+        batch in flight; each result once."""
         results: list[RolloutResult] = []
         done = threading.Event()
         self._evals.put((requests, results, done))
+        self._ensure_started()
         while not done.wait(0.1):
             if self._error is not None:
                 raise self._error
@@ -323,7 +176,8 @@ class AsyncProducer(GroupProducer):
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        if self._thread.ident is not None:
+            self._thread.join(timeout=10)
         self.pool.close()
 
     # ------------------------------------------------------------------ the producer thread
@@ -332,8 +186,12 @@ class AsyncProducer(GroupProducer):
             while not self._stop.is_set():
                 self._dispatch_batches()
                 self._dispatch_eval()
-                for result in self.pool.poll(0.05):
-                    self._deliver(result)
+                if self._owner or self.pool.applied_version != self.pool.version:   # results or acks due
+                    with self._pool_lock:
+                        results = self.pool.poll(0.05)
+                    self._deliver(results)
+                else:
+                    time.sleep(0.002)
         except BaseException as e:  # noqa: BLE001 - raised in the trainer by batch() / groups()
             with self._cond:
                 self._error = e
@@ -342,13 +200,14 @@ class AsyncProducer(GroupProducer):
                 self._cond.notify_all()
 
     def _dispatch_batches(self) -> None:
-        while self._next <= self._last and self.rule.may_dispatch(self._next, self.pool.applied_version):
+        while (self._next <= self._last and self._waiting < self._queue_size
+               and self.rule.may_dispatch(self._next, self.pool.applied_version)):
             step = self._next
             with self._cond:
-                state = copy.deepcopy(self.planner.loader.state_dict())
+                state = copy.deepcopy(self.planner.state_dict())
                 plan = self.planner.plan(step)
-                b = _AsyncBatch(plan, state, self._prompt_counts(), RolloutStats(t_dispatch=time.perf_counter()),
-                                queue.Queue())
+                b = _Batch(plan, state, self._prompt_counts(), RolloutStats(t_dispatch=time.perf_counter()),
+                           queue.Queue())
                 self._batches[step] = b
                 self._next += 1
                 self._cond.notify_all()
@@ -371,7 +230,7 @@ class AsyncProducer(GroupProducer):
         wire = []
         for req in requests:
             if not 0 <= req.group_index < _STEP_STRIDE:
-                raise ValueError(f"group index {req.group_index} out of range for the async producer")
+                raise ValueError(f"group index {req.group_index} out of range for the producer")
             uid = step * _STEP_STRIDE + req.group_index
             self._got[id(req)] = []
             for k in req.samples():
@@ -382,43 +241,72 @@ class AsyncProducer(GroupProducer):
         if wire:
             self.pool.dispatch(wire)
 
-    def _deliver(self, result: RolloutResult) -> None:
-        uid = result.group_index
-        step, req = self._owner.pop((uid, result.sample_index), (None, None))
-        if req is None:
-            raise RuntimeError(f"sample {result.sample_index} of pool group {uid} received twice or never requested")
-        result.group_index = req.group_index
-        part = self._got[id(req)]
-        part.append(result)
-        if step == 0:        # validation
-            results, done = self._eval[1], self._eval[2]
-            results.append(result)
+    def _deliver(self, results: list[RolloutResult]) -> None:
+        """File each result under its request; score the requests these results completed (one
+        reward call per batch), then hand each to its plan."""
+        complete: dict[int, list[tuple[RolloutRequest, list[RolloutResult]]]] = {}
+        for result in results:
+            uid = result.group_index
+            step, req = self._owner.pop((uid, result.sample_index), (None, None))
+            if req is None:
+                raise RuntimeError(f"sample {result.sample_index} of pool group {uid} received twice or never requested")
+            result.group_index = req.group_index
+            part = self._got[id(req)]
+            part.append(result)
+            if step == 0:
+                self._deliver_eval(uid, req, part, result)
+                continue
+            self._batches[step].stats.results.append(result)
             if len(part) == len(req.samples()):
                 del self._got[id(req)]
                 self.pool.forget(uid)
-            if not any(s == 0 for s, _ in self._owner.values()):
-                self._eval = None
-                done.set()
-            return
-        b = self._batches[step]
-        b.stats.results.append(result)
-        if len(part) < len(req.samples()):
-            return
-        del self._got[id(req)]
-        self.pool.forget(uid)
-        group = b.plan.part_group(req, part)
-        self.scorer.rewards([group], b.stats)
-        more, ready = b.plan.on_scored(req, group)
-        self._send(step, more)
-        self.scorer.advantages(ready)
-        b.stats.t_last_group = time.perf_counter()
-        for g in ready:
-            b.out.put(g)
-        b.open_requests -= 1
-        if b.open_requests == 0:
-            self._finish(step, b)
+                complete.setdefault(step, []).append((req, part))
+        for step, done in complete.items():
+            b = self._batches[step]
+            parts = [b.plan.part_group(req, part) for req, part in done]
+            self.scorer.rewards(parts, b.stats)
+            for (req, _), part in zip(done, parts):
+                more, ready = b.plan.on_scored(req, part)
+                self._send(step, more)
+                self.scorer.advantages(ready)
+                b.stats.t_last_group = time.perf_counter()
+                self._release(b, ready)
+                b.open_requests -= 1
+            if b.open_requests == 0:
+                self._finish(step, b)
 
-    def _finish(self, step: int, b: _AsyncBatch) -> None:
-        for g in b.plan.finish():
+    def _deliver_eval(self, uid: int, req: RolloutRequest, part: list, result: RolloutResult) -> None:
+        self._eval[1].append(result)
+        if len(part) == len(req.samples()):
+            del self._got[id(req)]
+            self.pool.forget(uid)
+        if not any(s == 0 for s, _ in self._owner.values()):
+            done = self._eval[2]
+            self._eval = None
+            done.set()
+
+    def _release(self, b: _Batch, ready: list[Group]) -> None:
+        for g in ready:
+            b.lengths.append([len(r.response_ids) for r in g.results])
+            b.keys.append(prompt_key(g.prompt_ids))
+        if not self.mode.release_on_completion:
+            b.held += ready
+            return
+        self._put(b, ready)
+
+    def _put(self, b: _Batch, groups: list[Group]) -> None:
+        with self._cond:
+            self._waiting += len(groups)
+        for g in groups:
             b.out.put(g)
+
+    def _finish(self, step: int, b: _Batch) -> None:
+        """The batch's last request is in: the plan's unfilled positions, the sizer's feedback,
+        then the end marker."""
+        tail = b.plan.finish()
+        observe = getattr(self.planner.group_sizer, "observe", None)
+        if observe is not None:     # an adaptive sizer (rollout.group_sizing: sagc) learns from the lengths
+            b.metrics.update(observe(step, b.lengths, b.keys))
+        self._put(b, b.held + tail)
+        b.held = []
         b.out.put(_DONE)

@@ -1,4 +1,6 @@
-"""The training loop: build everything, then one batch per step, in three modes (`trainer.mode`).
+"""The training loop: build everything, then one batch per step, in four modes (`trainer.mode`;
+scheduling/mode.py makes each a value, and every one runs through the one producer core,
+scheduling/producer.py).
 
 - periodic (default): a producer thread sends the batch's prompts to rollout worker processes;
   complete, scored groups arrive on a bounded queue and the trainer runs their micro-steps
@@ -31,8 +33,8 @@ from ..config import Config, config_to_dict
 from ..models.mcore import arch_from_hf_dir
 from ..models.tiny import tiny_arch
 from ..rollout.base import SamplingParams
+from ..scheduling.mode import Mode
 from ..scheduling.scorer import reward_fault_summary
-from ..scheduling.staleness import STRICT, StalenessRule
 from ..telemetry import step_metrics
 from ..telemetry.logger import MetricsLogger
 from ..telemetry.timeline import Timeline
@@ -75,6 +77,7 @@ class Trainer:
         self._val_records = val_records if rank0 else None
         self.backend = get_backend(cfg.backend)
         self.memory_plan = self._check_memory(arch)
+        self.mode = Mode.of(cfg.trainer.mode, cfg.trainer.max_staleness)
         self.rank, self.world, self.local_rank = self.backend.init_distributed()
         self.model_dir = self._prepare_run_dir()
         self.arch = arch_from_hf_dir(self.model_dir)
@@ -87,7 +90,7 @@ class Trainer:
 
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         worker_placements, trainer_placement = self.backend.rollout_placements(
-            cfg.rollout.num_workers if cfg.trainer.mode != "sync" else 0, local_world,
+            cfg.rollout.num_workers if self.mode.engine_in_workers else 0, local_world,
             share_cores=cfg.rollout.cpu_cores == "shared" and cfg.rollout.engine == "hf",
             devices_per_worker=cfg.rollout.tensor_parallel_size)
         self.core_seat = trainer_placement.get("seat")     # cpu, shared cores: see backend.CoreSeat
@@ -99,7 +102,7 @@ class Trainer:
         self.prompts = prompts.build(cfg.data, self.tokenizer, where=f"the tokenizer of {self.model_dir}")
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.eos_id = self.tokenizer.eos_token_id
-        self.staleness = StalenessRule(cfg.trainer.max_staleness) if cfg.trainer.mode == "async" else STRICT
+        self.staleness = self.mode.staleness
         # an estimator that uses importance ratios (vcpo_baseline) is applied in the loss, where the
         # proximal policy's log-probs are: the samples carry rewards and groups there
         from ..algo import ADV_ESTIMATORS
@@ -116,21 +119,17 @@ class Trainer:
         meta = self._resume()
         # the workers' first weights: the policy's export (version 0, or the checkpoint's),
         # streamed into the pool's buffer on rank 0
-        initial = self.actor.export_weights() if cfg.trainer.mode != "sync" else None
+        initial = self.actor.export_weights() if self.mode.engine_in_workers else None
         if self.rank == 0:
             self.planner = self._build_planner()
             if meta is not None:
-                self.planner.loader.load_state_dict(meta["loader"])
-                if meta.get("group_sizer") is not None and hasattr(self.planner.group_sizer, "load_state_dict"):
-                    self.planner.group_sizer.load_state_dict(meta["group_sizer"])
-                if meta.get("allocator") is not None and self.planner.allocator is not None:
-                    self.planner.allocator.load_state_dict(meta["allocator"])
+                self.planner.load_state_dict(meta)
             self.producer = self._build_producer(worker_placements, initial)
             if cfg.trainer.record_timeline:
                 self.timeline.watch_scorer(self.producer.scorer)
         elif initial is not None:
             drain(initial)
-        if cfg.trainer.mode == "sync" and self.version > 0:
+        if not self.mode.engine_in_workers and self.version > 0:
             named = self.actor.export_weights()     # the colocated engine starts from the checkpoint
             if self.producer is not None:
                 self.producer.update_weights(named, self.version)
@@ -175,17 +174,12 @@ class Trainer:
     def save_checkpoint(self, step: int) -> str:
         """A checkpoint of the state after `step` (collective: every rank calls it)."""
         from .checkpoint import save_checkpoint
-        sizer = self.planner.group_sizer if self.planner is not None else None
-        loader = None
-        if self.planner is not None:     # async: the loader as it was before batch step + 1 (in flight)
-            loader = (self.producer.loader_state(step) if hasattr(self.producer, "loader_state")
-                      else self.planner.loader.state_dict())
+        # the planner (loader, group sizer, allocator) as it was before batch step + 1, which may
+        # be in flight already; None on the other ranks
+        planner = (self.producer.planner_state(step) if self.producer is not None
+                   else {"loader": None, "group_sizer": None, "allocator": None})
         meta = {"version": self.version, "layout": self._layout(), "nonfinite_in_a_row": self.nonfinite_in_a_row,
-                "loader": loader,
-                "group_sizer": sizer.state_dict() if hasattr(sizer, "state_dict") else None,
-                "allocator": (self.planner.allocator.state_dict()
-                              if self.planner is not None and self.planner.allocator is not None else None),
-                "config": config_to_dict(self.cfg)}
+                **planner, "config": config_to_dict(self.cfg)}
         return save_checkpoint(self.cfg.trainer.run_dir, step, self.rank, self.world,
                                self.actor.sharded_state_dict(), meta, self.cfg.trainer.keep_checkpoints)
 
@@ -244,16 +238,25 @@ class Trainer:
         """initial: the policy's HF-layout (name, tensor) stream (version 0) for the workers; the
         pool consumes it whole before it starts them."""
         from ..reward.manager import RewardManager
-        from ..scheduling.producer import AsyncProducer, ColocatedProducer, WorkerProducer
+        from ..scheduling.producer import Producer
         from ..scheduling.scorer import Scorer
         cfg = self.cfg
         self.reward = RewardManager(cfg.reward)
         scorer = Scorer(self.reward, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
                         cfg.algo.adv_estimator, cfg.algo)
-        if cfg.trainer.mode == "sync":
+        if self.mode.engine_in_workers:
+            pool = self._build_pool(placements, initial)
+        else:
+            from ..rollout.colocated import ColocatedPool
             from ..rollout.hf_engine import HFRolloutEngine
-            engine = HFRolloutEngine(self.model_dir, self.pad_id, self.eos_id, cfg.rollout.max_slots, self.device)
-            return ColocatedProducer(engine, scorer)
+            pool = ColocatedPool(HFRolloutEngine(self.model_dir, self.pad_id, self.eos_id, cfg.rollout.max_slots,
+                                                 self.device))
+        return Producer(pool, scorer, self.planner, self.mode, first_step=self.start_step + 1,
+                        last_step=cfg.trainer.total_steps, prompt_counts=self.prompts.pop_counts,
+                        queue_size=cfg.rollout.queue_size)
+
+    def _build_pool(self, placements, initial):
+        cfg = self.cfg
         from ..models.convert import hf_layout
         from ..models.mcore import torch_dtype
         from ..rollout.worker import WorkerPool, WorkerSettings
@@ -270,10 +273,7 @@ class Trainer:
                           cfg.rollout.worker_timeout_s, initial_weights=initial, staleness=self.staleness,
                           remote_workers=cfg.rollout.remote_workers, remote_address=cfg.rollout.remote_address,
                           initial_version=self.version)
-        if cfg.trainer.mode == "async":
-            return AsyncProducer(pool, scorer, self.planner, self.staleness, first_step=self.start_step + 1,
-                                 last_step=cfg.trainer.total_steps, prompt_counts=self.prompts.pop_counts)
-        return WorkerProducer(pool, scorer, cfg.rollout.queue_size, wait_for_batch=cfg.trainer.mode == "sync_split")
+        return pool
 
     def _tokenize_prompt(self, record) -> list[int] | None:
         """The record's prompt ids (data/prompts.py); None: leave it out (data.overlong_prompt: skip)."""
@@ -287,14 +287,9 @@ class Trainer:
         cfg = self.cfg
         t_step = time.perf_counter()
         sizes = groups = None
-        if self.rank == 0 and cfg.trainer.mode == "async":
-            plan, prompt_counts = self.producer.batch(step)     # dispatched ahead, within the bound
+        if self.rank == 0:
+            plan, prompt_counts = self.producer.batch(step)     # dispatched once the weights allow it
             sizes, groups = plan.train_sizes, self.producer.groups(step)
-        elif self.rank == 0:
-            plan = self.planner.plan(step)
-            prompt_counts = self.prompts.pop_counts()   # this batch's skipped / truncated prompts
-            self.producer.start(plan)
-            sizes, groups = plan.train_sizes, self.producer.groups()
         feed = GroupFeed(sizes, groups, self.feed_group)
         batch = train_batch(self.actor, feed, cfg.actor, self.dp_rank, self.dp_size, self._check_group,
                             seat=self.core_seat, with_rewards=self._importance_baseline)
@@ -311,17 +306,11 @@ class Trainer:
         metrics["trainer/idle_ratio"] = batch.wait_s / step_s
         trained = [g for g in batch.groups if g.size]   # without the empty groups of unfilled positions
         if self.rank == 0:
-            stats = self.producer.stats
+            stats, batch_metrics = self.producer.batch_done(step)
             metrics.update(prompt_counts)
-            metrics.update(plan.end_metrics())
-            observe = getattr(self.planner.group_sizer, "observe", None)
-            if observe is not None:     # an adaptive sizer (rollout.group_sizing: sagc) learns from the lengths
-                from ..scheduling.group_sizing import prompt_key
-                metrics.update(observe(step, [[len(r.response_ids) for r in g.results] for g in trained],
-                                       [prompt_key(g.prompt_ids) for g in trained]))
+            metrics.update(batch_metrics)      # the plan's (allocation) and the group sizer's
             metrics.update(step_metrics.rollout_metrics(
-                trained, stats, step_s, num_engines=self._num_engines(),
-                restarts=getattr(getattr(self.producer, "pool", None), "restarts", 0)))
+                trained, stats, step_s, num_engines=self._num_engines(), restarts=self.producer.pool.restarts))
             reward_faults = reward_fault_summary(stats, len(stats.results))
             if reward_faults:
                 log.warning("step %d: %s", step, reward_faults)
@@ -341,14 +330,14 @@ class Trainer:
     def _num_devices(self) -> int:
         """Trainer ranks plus rollout workers: throughput is per device of the whole job. Local
         workers sharing the trainer's CPU cores (backend.CoreSeat) add no device."""
-        if self.cfg.trainer.mode == "sync":
+        if not self.mode.engine_in_workers:
             return self.world
         local = 0 if self.core_seat is not None else self.cfg.rollout.num_workers
         return self.world + local + self.cfg.rollout.remote_workers
 
     def _num_engines(self) -> int:
         """Rollout engines: the trainer's own in sync mode, else the local and remote workers."""
-        if self.cfg.trainer.mode == "sync":
+        if not self.mode.engine_in_workers:
             return 1
         return self.cfg.rollout.num_workers + self.cfg.rollout.remote_workers
 
