@@ -233,8 +233,10 @@ def test_drained_workers_give_one_version_per_response(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["trainer.max_staleness=2"], "trainer.max_staleness: 2 needs trainer.mode async"),
     (["trainer.mode=async", "trainer.max_staleness=-1"], "trainer.max_staleness: must be an integer >= 0, got -1"),
-    (["trainer.mode=async", "rollout.pilot.enabled=true"], "rollout.pilot / rollout.backfill: not supported with"),
-    (["trainer.mode=async", "rollout.group_sizing=sagc"], "rollout.group_sizing: 'sagc' is not supported with"),
+    (["trainer.mode=async", "trainer.max_staleness=2", "rollout.pilot.enabled=true"],
+     "rollout.pilot / rollout.backfill: not supported with trainer.mode async and trainer.max_staleness > 0"),
+    (["trainer.mode=async", "trainer.max_staleness=1", "rollout.backfill.enabled=true"],
+     "rollout.pilot / rollout.backfill: not supported with trainer.mode async and trainer.max_staleness > 0"),
     (["trainer.mode=async", "rollout.weight_sync=broadcast"], "rollout.weight_sync: trainer.mode async updates"),
 ])
 def test_async_configuration_errors_name_the_key(overrides, message):

@@ -58,7 +58,7 @@ def test_one_step_by_hand_draws_choice_and_updates():
     assert c.group_size(1, 0) == c.group_size(1, 5) == expected           # one G for every prompt
     assert c.begin_step(1) == expected and c.rng.getstate() == reference.getstate()   # no second draw
 
-    c.size = 8                            # the played arm for the hand-computed update
+    c.pending[1] = (8, None)              # the played arm for the hand-computed update
     m = c.observe(1, [[10, 10, 10], [10, 50]])          # median 10, max 50: ratio 5 > 2, S = 1
     # every arm: 1 + 0.9 (a - 1); the played one (8) + S on alpha, + (1 - S) on beta
     assert c.alpha == pytest.approx([1.9, 3.8, 1.0]) and c.beta == pytest.approx([3.7, 1.0, 1.9])
@@ -79,7 +79,7 @@ def test_forgotten_arm_returns_to_the_prior_not_to_zero():
     for step in range(1, 60):             # stay at 4 (large lam), so 8 and 16 are never played
         c.lam = 100.0
         c.begin_step(step)
-        c.size = 4
+        c.pending[step] = (4, None)
         c.observe(step, [[10, 10]])
     assert c.alpha[1:] == pytest.approx([1.0, 1.0]) and c.beta[1:] == pytest.approx([1.0, 1.0])
     assert c.alpha[0] == pytest.approx(1.0) and c.beta[0] == pytest.approx(1.0 + 1 / (1 - 0.5))  # 1 + sum 0.5^k
@@ -181,6 +181,27 @@ def test_observe_refuses_a_step_that_was_not_decided():
     c.begin_step(1)
     with pytest.raises(ValueError, match="observe\\(step 2\\)"):
         c.observe(2, [[1, 2]])
+
+
+def test_delayed_feedback_credits_the_size_each_step_played():
+    """In the async mode step t + 1 is decided before step t's lengths are in: observe(t) must
+    credit the arm step t played, not the one decided last, and the pending decision survives a
+    checkpoint."""
+    c = StragglerAwareGroupSize(SAGCConfig(candidates=[4, 8, 16]), 4)
+    g1, g2 = c.begin_step(1), c.begin_step(2)
+    assert g1 != g2          # lambda 0: each decision moves to the larger neighbour (4 -> 8 -> 16)
+    j1 = c.candidates.index(g1)
+    other = StragglerAwareGroupSize(SAGCConfig(candidates=[4, 8, 16]), 4)
+    other.load_state_dict(json.loads(json.dumps(c.state_dict())))
+    for ctl in (c, other):
+        before = list(ctl.alpha)
+        m = ctl.observe(1, [[10, 10, 10], [10, 50]])     # a straggler step: S = 1
+        assert m["sagc/group_size"] == g1 and m["sagc/straggler_event"] == 1
+        assert ctl.alpha[j1] == pytest.approx(1 + ctl.cfg.gamma * (before[j1] - 1) + 1)
+        assert ctl.begin_step(2) == g2                  # still the decision made before
+        assert ctl.observe(2, [[10, 10]])["sagc/group_size"] == g2
+        with pytest.raises(ValueError, match="observe\\(step 1\\)"):
+            ctl.observe(1, [[1, 2]])
 
 
 # ---------------------------------------------------------------------- the prompt prior

@@ -144,10 +144,13 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
             raise
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if cfg.rollout.group_sizing != "fixed":
-            which = "rollout.pilot.enabled" if cfg.rollout.pilot.enabled else "rollout.backfill.enabled"
-            raise ConfigError(f"{which}: the allocator works with one group size, rollout.n; it cannot be combined "
-                              f"with rollout.group_sizing: {cfg.rollout.group_sizing} (which changes K per step)")
+        if cfg.rollout.group_sizing == "sagc" and cfg.rollout.pilot.enabled:
+            # the allocator takes each step's K from the sizer: every candidate K must leave a commit
+            for k in cfg.rollout.sagc.candidates:
+                try:
+                    validate_allocation(cfg.rollout.pilot, cfg.rollout.backfill, cfg.data.train_batch_size, int(k))
+                except ValueError as e:
+                    raise ConfigError(f"rollout.sagc.candidates: with K = {k}: {e}") from None
     for key in ("data.train_batch_size", "data.max_prompt_length", "rollout.max_new_tokens",
                 "rollout.max_slots", "rollout.queue_size", "actor.micro_batch_size", "trainer.total_steps",
                 "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size"):
@@ -301,13 +304,12 @@ def _check_async(cfg) -> None:
             raise ConfigError(f"trainer.max_staleness: {eta} needs trainer.mode async (mode "
                               f"'{cfg.trainer.mode}' is strictly on-policy)")
         return
-    # what the async producer does not do (yet): each named so that the user knows which to drop
-    if cfg.rollout.pilot.enabled or cfg.rollout.backfill.enabled:
-        raise ConfigError("rollout.pilot / rollout.backfill: not supported with trainer.mode async (the "
-                          "allocator decides within one policy version); use mode periodic")
-    if cfg.rollout.group_sizing != "fixed":
-        raise ConfigError(f"rollout.group_sizing: '{cfg.rollout.group_sizing}' is not supported with trainer.mode "
-                          "async; use fixed")
+    # what the async mode does not do (yet): each named so that the user knows which to drop
+    if eta > 0 and (cfg.rollout.pilot.enabled or cfg.rollout.backfill.enabled):
+        raise ConfigError("rollout.pilot / rollout.backfill: not supported with trainer.mode async and "
+                          "trainer.max_staleness > 0 yet: the allocator draws prompts during its step (commits, "
+                          "backfills), which would interleave with the next batches' draws; use max_staleness 0 "
+                          "or mode periodic")
     if cfg.rollout.weight_sync != "shm" or cfg.rollout.remote_workers:
         raise ConfigError("rollout.weight_sync: trainer.mode async updates the workers while they generate, "
                           "through the shared-memory buffer only (weight_sync: shm, no remote_workers)")

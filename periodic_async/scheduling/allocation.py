@@ -319,6 +319,8 @@ class _StepState:
     counts: dict[str, int] = field(default_factory=dict)
     committed: int = 0
     spent: int = 0
+    group_size: int = 0         # K of this step (a group sizer may change it from step to step)
+    budget: int = 0             # rollouts this step may spend
 
 
 class Allocator:
@@ -340,10 +342,7 @@ class Allocator:
         if pilot.enabled:
             self._p_lower = threshold_fraction(pilot.p_lower, "rollout.pilot.p_lower")
             self._p_upper = threshold_fraction(pilot.p_upper, "rollout.pilot.p_upper")
-            self.budget = pilot.resolved_budget(batch_size, group_size)
-        else:
-            extra = backfill.resolved_max_groups(batch_size) if backfill.enabled else 0
-            self.budget = (batch_size + extra) * group_size
+        self.budget = self.budget_for(group_size)
         self._solved: dict[PromptKey, None] = {}            # an insertion-ordered set
         self._deferred: dict[PromptKey, int] = {}           # key -> loader epoch it was deferred in
         self.replay = ReplayBuffer(pilot.replay_max_age)
@@ -384,13 +383,26 @@ class Allocator:
 
     # ------------------------------------------------------------ the step
 
-    def begin_step(self, step: int, draw: Draw) -> list[AllocRequest]:
+    def budget_for(self, group_size: int) -> int:
+        """The rollouts a step of groups of `group_size` may spend (rollout.pilot.budget, else B * K;
+        with backfill (B + its max_groups) * K)."""
+        if self.pilot.enabled:
+            return self.pilot.resolved_budget(self.batch_size, group_size)
+        extra = self.backfill.resolved_max_groups(self.batch_size) if self.backfill.enabled else 0
+        return (self.batch_size + extra) * group_size
+
+    def begin_step(self, step: int, draw: Draw, group_size: Optional[int] = None) -> list[AllocRequest]:
         """Draw the step's prompts and return the requests to dispatch first: n_pilot pilots each
-        with the pilot on, else B full groups of K."""
+        with the pilot on, else B full groups of K (`group_size`: this step's K, from a group sizer;
+        None: the constructor's)."""
         with self._lock:
             if self._state is not None:
                 raise RuntimeError(f"Allocator.begin_step({step}): step {self._state.step} has not ended")
-            st = self._state = _StepState(step, draw)
+            k = self.group_size if group_size is None else int(group_size)
+            if self.pilot.enabled and not 1 <= self.pilot.n_pilot < k:
+                raise ValueError(f"step {step}: group size {k} leaves no commit after rollout.pilot.n_pilot="
+                                 f"{self.pilot.n_pilot} pilots")
+            st = self._state = _StepState(step, draw, group_size=k, budget=self.budget_for(k))
             st.counts = dict.fromkeys(_PILOT_COUNTERS if self.pilot.enabled else _BACKFILL_COUNTERS, 0)
             self._trained[step] = []
             if not self.pilot.enabled:
@@ -464,7 +476,7 @@ class Allocator:
                 metrics["pilot/replay_size"] = float(len(self.replay))
                 stds = [s.pilot_std for _, s in sorted(st.slots.items()) if s.pilot_std is not None]
                 metrics["pilot/reward_std"] = sum(stds) / len(stds) if stds else 0.0
-                metrics["pilot/budget"] = float(self.budget)
+                metrics["pilot/budget"] = float(st.budget)
                 metrics["pilot/solved_total"] = float(len(self._solved))
                 metrics["pilot/deferred_pending"] = float(len(self._deferred))
             return metrics
@@ -521,10 +533,10 @@ class Allocator:
         return slot
 
     def _request(self, st: _StepState, slot: int, phase: str) -> AllocRequest:
-        parts = dict(group_parts(self.group_size, self.pilot.n_pilot if self.pilot.enabled else None))
-        req = AllocRequest(slot, st.slots[slot].key, phase, self.group_size, parts[phase])
-        if st.spent + req.num_samples > self.budget:
-            raise RuntimeError(f"Allocator: step {st.step} would exceed its budget of {self.budget} rollouts")
+        parts = dict(group_parts(st.group_size, self.pilot.n_pilot if self.pilot.enabled else None))
+        req = AllocRequest(slot, st.slots[slot].key, phase, st.group_size, parts[phase])
+        if st.spent + req.num_samples > st.budget:
+            raise RuntimeError(f"Allocator: step {st.step} would exceed its budget of {st.budget} rollouts")
         st.spent += req.num_samples
         st.counts["pilot/rollouts" if self.pilot.enabled else "rollout/rollouts"] += req.num_samples
         st.slots[slot].requests[phase] = req
@@ -533,7 +545,7 @@ class Allocator:
 
     def _ready(self, st: _StepState, slot: int, s: _Slot, phases: tuple[str, ...]) -> TrainableGroup:
         s.status = _TRAINED
-        group = TrainableGroup(slot, s.key, self.group_size, tuple(s.requests[p] for p in phases),
+        group = TrainableGroup(slot, s.key, st.group_size, tuple(s.requests[p] for p in phases),
                                tuple(r for p in phases for r in s.rewards[p]))
         self._trained[st.step].append(group)
         return group
@@ -557,8 +569,8 @@ class Allocator:
 
     def _start_round(self, st: _StepState, slots: list[int]) -> list[AllocRequest]:
         requests = [self._request(st, slot, PILOT) for slot in slots]
-        n_commit = self.group_size - self.pilot.n_pilot
-        room = min(self.batch_size - st.committed, (self.budget - st.spent) // n_commit)
+        n_commit = st.group_size - self.pilot.n_pilot
+        room = min(self.batch_size - st.committed, (st.budget - st.spent) // n_commit)
         st.rounds.append(_Round(slots, max(room, 0)))
         st.counts["pilot/piloted"] += len(slots)
         return requests
@@ -614,7 +626,7 @@ class Allocator:
                 if st.slots[slot].status == _SURPLUS and key not in self._solved and key not in self._deferred:
                     self.replay.add(key, st.step)
                     st.counts["pilot/replay_added"] += 1
-            fill = min(self.batch_size - st.committed, (self.budget - st.spent) // self.group_size,
+            fill = min(self.batch_size - st.committed, (st.budget - st.spent) // st.group_size,
                        self.replay.available(st.step))
             if fill <= 0:
                 return out

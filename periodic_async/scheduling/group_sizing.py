@@ -134,8 +134,10 @@ def predict_straggler_probability(fits: Sequence[tuple[float, float]], candidate
 class StragglerAwareGroupSize:
     """SAGC (module docstring): one group size per step, from `cfg.candidates`, starting at
     `start_size`. Protocol, once per step: `begin_step(step, prompt_keys)` (or the first
-    `group_size(step, i)`) decides G_t; `observe(step, lengths, prompt_keys)` after the step feeds
-    the step's response lengths back and returns its metrics."""
+    `group_size(step, i)`) decides G_t; `observe(step, lengths, prompt_keys)` once the step's
+    responses are all in feeds their lengths back and returns its metrics. Decisions wait for
+    their feedback by step: in the async mode step t + 1 may be decided before step t is
+    observed (a bandit with delayed feedback: it decides from what it has seen so far)."""
 
     def __init__(self, cfg, start_size: int):
         self.cfg = cfg
@@ -153,13 +155,14 @@ class StragglerAwareGroupSize:
         # prompt_prior: key -> [EMA of the mean log-length, EMA of the mean squared log-length]
         self.prompt_history: dict[str, list[float]] = {}
         self.length_cap = 0.0               # the longest response seen (the prediction's clip)
-        self._prior_q: Optional[list[float]] = None   # this step's predicted P(S=1 | G), if any
+        # step -> (G played, the predicted P(S=1 | G) it was decided with, if any), until observed
+        self.pending: dict[int, tuple[int, Optional[list[float]]]] = {}
 
     # ------------------------------------------------------------------ decide
     def begin_step(self, step: int, prompt_keys: Optional[Sequence[str]] = None) -> int:
         """Decide G for `step` (once: a repeated call returns the same G)."""
-        if step == self.step:
-            return self.size
+        if step in self.pending:
+            return self.pending[step][0]
         q = self._predict(step, prompt_keys) if self.cfg.prompt_prior and prompt_keys else None
         w = self.cfg.prompt_prior_weight
         draws = []
@@ -169,7 +172,8 @@ class StragglerAwareGroupSize:
                 a, b = a + w * q[j], b + w * (1 - q[j])
             draws.append(self.rng.betavariate(a, b))
         self.size = choose_size(self.candidates, self.size, draws, self.lam)
-        self.step, self._prior_q = step, q
+        self.step = step
+        self.pending[step] = (self.size, q)
         return self.size
 
     def group_size(self, step: int, group_index: int) -> int:
@@ -194,13 +198,15 @@ class StragglerAwareGroupSize:
                 prompt_keys: Optional[Sequence[str]] = None) -> dict[str, float]:
         """Feed back the step's response lengths (tokens; one list per group, `prompt_keys[i]`
         group i's prompt) and return the step's sagc/* metrics."""
-        if step != self.step:
-            raise ValueError(f"observe(step {step}) but the last step decided was {self.step}")
+        if step not in self.pending:
+            raise ValueError(f"observe(step {step}): no decision awaits feedback for that step "
+                             f"(awaiting: {sorted(self.pending)})")
+        size, prior_q = self.pending.pop(step)
         cfg = self.cfg
         flat = [int(n) for group in lengths for n in group]
         ratio = straggler_ratio(flat)
         s = 1 if ratio > cfg.tau else 0
-        played = self.candidates.index(self.size)
+        played = self.candidates.index(size)
         for j in range(len(self.candidates)):
             # discount every arm towards the prior: gamma * alpha + (1 - gamma) * alpha0
             self.alpha[j] = PRIOR_ALPHA + cfg.gamma * (self.alpha[j] - PRIOR_ALPHA)
@@ -212,14 +218,13 @@ class StragglerAwareGroupSize:
         self.straggler_steps += s
         if cfg.prompt_prior and prompt_keys is not None:
             self._update_history(lengths, prompt_keys)
-        metrics = {"sagc/group_size": self.size, "sagc/lambda": self.lam, "sagc/straggler_event": s,
+        metrics = {"sagc/group_size": size, "sagc/lambda": self.lam, "sagc/straggler_event": s,
                    "sagc/straggler_ratio": ratio, "sagc/straggler_rate": self.straggler_steps / self.steps_observed}
         for g, a, b in zip(self.candidates, self.alpha, self.beta):
             metrics[f"sagc/p_hat/{g}"] = a / (a + b)
-        if self._prior_q is not None:
-            for g, q in zip(self.candidates, self._prior_q):
+        if prior_q is not None:
+            for g, q in zip(self.candidates, prior_q):
                 metrics[f"sagc/prompt_prior/{g}"] = q
-        self._prior_q = None
         return metrics
 
     def _update_history(self, lengths: Sequence[Sequence[int]], prompt_keys: Sequence[str]) -> None:
@@ -241,7 +246,8 @@ class StragglerAwareGroupSize:
                 "alpha": list(self.alpha), "beta": list(self.beta), "rng": [version, list(internal), gauss_next],
                 "steps_observed": self.steps_observed, "straggler_steps": self.straggler_steps,
                 "prompt_history": {k: list(v) for k, v in self.prompt_history.items()},
-                "length_cap": self.length_cap}
+                "length_cap": self.length_cap,
+                "pending": {str(t): [g, q] for t, (g, q) in self.pending.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         if tuple(state["candidates"]) != self.candidates:
@@ -254,4 +260,4 @@ class StragglerAwareGroupSize:
         self.steps_observed, self.straggler_steps = int(state["steps_observed"]), int(state["straggler_steps"])
         self.prompt_history = {k: [float(x) for x in v] for k, v in state["prompt_history"].items()}
         self.length_cap = float(state["length_cap"])
-        self._prior_q = None
+        self.pending = {int(t): (int(g), q) for t, (g, q) in state.get("pending", {}).items()}

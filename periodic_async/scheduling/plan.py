@@ -220,9 +220,12 @@ class BatchPlanner:
                                f"{len(self.loader.records)} records (all over data.max_prompt_length)")
 
         alloc = self.allocator
+        # the step's K from the group sizer (the allocator draws the prompts, so a sizer's prompt
+        # prior has none to look at yet)
+        k = int(self.group_sizer.group_size(step, 0))
         plan = AllocatedPlan(step, [], {}, allocator=alloc, prompt_of=self._prompt_of, sampling=self.sampling,
-                             seed=self.seed, group_size=alloc.group_size, max_groups=alloc.batch_size)
-        plan.requests = [plan.to_request(r) for r in alloc.begin_step(step, draw)]
+                             seed=self.seed, group_size=k, max_groups=alloc.batch_size)
+        plan.requests = [plan.to_request(r) for r in alloc.begin_step(step, draw, group_size=k)]
         return plan
 
     def _prompt_ids(self, index: int) -> list[int] | None:
