@@ -89,9 +89,12 @@ def test_long_tail_ordering():
 
 
 def test_dispatch_and_dp_assignment_follow_the_real_code():
+    from periodic_async.rollout import worker
     from periodic_async.train import step
     sizes = {0: 8, 1: 4, 2: 8, 3: 2, 4: 6}
     assert sim.assign_groups is step.assign_groups        # the trainer's own rule, not a copy
+    assert sim.micro_batch_due is step.micro_batch_due    # when a rank packs: the trainer's rule
+    assert sim.least_loaded_worker is worker.least_loaded_worker    # the rollout pool's rule
     reqs = [[Sample(g, k, 3, 2) for k in range(n)] for g, n in sizes.items()]
     per_engine = sim.dispatch(reqs, 2)
     # least outstanding samples first, ties to the lower engine: 0 -> e0 (8), 1 -> e1 (4), 2 -> e1 (12),

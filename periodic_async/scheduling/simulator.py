@@ -43,7 +43,8 @@ from collections import deque
 from dataclasses import asdict, dataclass, field, fields
 
 from ..telemetry.step_metrics import union_length
-from .dp_assignment import assign_groups
+from ..rollout.dispatch import least_loaded_worker
+from .dp_assignment import assign_groups, micro_batch_due
 
 MODES = ("sync", "sync_split", "periodic")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -402,11 +403,12 @@ def _replay_incremental(samples: list[Sample], slots: int, gen: GenCosts, t0: fl
 
 def dispatch(requests: list[list[Sample]], engines: int) -> list[list[Sample]]:
     """rollout/worker.py: WorkerPool.dispatch - each request to the engine with the fewest
-    outstanding samples (ties: the lower id); an engine's samples in request order."""
-    load = [0] * engines
+    outstanding samples (ties: the lower id; its rule, rollout/dispatch.py); an engine's samples
+    in request order."""
+    load = {e: 0 for e in range(engines)}
     out: list[list[Sample]] = [[] for _ in range(engines)]
     for req in requests:
-        e = min(range(engines), key=lambda w: (load[w], w))
+        e = least_loaded_worker(load)
         for s in req:
             s.engine = e
         out[e] += req
@@ -494,7 +496,7 @@ def replay_step(mode: str, requests: list[list[Sample]], cluster: Cluster, costs
             if owner[gi] == r:
                 remaining -= 1
                 pending += by_group[gi]
-            while len(pending) >= micro_batch_size or (pending and remaining == 0):
+            while micro_batch_due(len(pending), remaining, micro_batch_size):
                 mb, pending = pending[:micro_batch_size], pending[micro_batch_size:]
                 ready = avail[gi] + c.handoff_wait_s
                 start = max(ready, free_at + (0.0 if first else c.handoff_busy_s))
