@@ -1,5 +1,5 @@
 """Which rollout worker gets the next request: the pool's one dispatch rule, torch-free, so the
-rollout pool (worker.py: WorkerPool.dispatch) and the scheduling simulator (scheduling/simulator.py)
+rollout pool (worker.py: WorkerPool.dispatch) and the scheduling simulator (tools/sim/replay.py)
 make the same choice."""
 from __future__ import annotations
 

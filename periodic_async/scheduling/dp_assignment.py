@@ -1,5 +1,5 @@
 """Which DP rank trains which group, and when a rank packs a micro-batch: the rules shared by the
-trainer (train/feed.py, train/step.py) and the torch-free simulator (scheduling/simulator.py), so both
+trainer (train/feed.py, train/step.py) and the torch-free simulator (tools/sim/replay.py), so both
 make the same choices."""
 from __future__ import annotations
 
