@@ -145,7 +145,11 @@ def test_partition_counts_each_instant_once():
 
 
 def test_flop_formulas():
-    from periodic_async.scheduling.simulator import ModelShape, forward_flops, generation_flops, training_flops
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        from sim.flops import ModelShape, forward_flops, generation_flops, training_flops
+    finally:
+        sys.path.pop(0)
     shape = ModelShape(hidden=4, layers=1, heads=2, kv_heads=1, head_dim=2, ffn=8, vocab=10, tied=True)
     # q 4x4, k and v 4x2 each, o 4x4, MLP 3 x 4x8, LM head 10x4
     assert shape.matmul_params == 16 + 8 + 8 + 16 + 96 + 40 == 184

@@ -6,7 +6,8 @@ from periodic_async.data.records import PromptRecord
 from periodic_async.rollout.base import SamplingParams
 from periodic_async.scheduling.plan import BatchPlanner, request_seed
 from periodic_async.scheduling.staleness import STRICT, StalenessRule
-from periodic_async.scheduling.dp_assignment import assign_groups
+from periodic_async.rollout.dispatch import least_loaded_worker
+from periodic_async.scheduling.dp_assignment import assign_groups, micro_batch_due
 from periodic_async.train.step import num_micro_batches
 
 from helpers import CyclingGroupSize
@@ -46,6 +47,19 @@ def test_dp_assignment_balances_samples_and_is_round_robin_for_equal_k():
     assert num_micro_batches(sizes, assign_groups(sizes, 1), 0, 6) == 6   # ceil(34 / 6)
 
 
+def test_a_rank_packs_a_micro_batch_when_full_or_when_its_last_group_is_in():
+    assert micro_batch_due(4, 3, 4) and micro_batch_due(5, 1, 4)          # full
+    assert not micro_batch_due(3, 1, 4)                                    # more of its groups to come
+    assert micro_batch_due(3, 0, 4) and micro_batch_due(1, 0, 4)          # its last group arrived
+    assert not micro_batch_due(0, 0, 4)
+
+
+def test_dispatch_goes_to_the_least_loaded_worker_ties_to_the_lowest_id():
+    assert least_loaded_worker({0: 8, 1: 4, 2: 4}) == 1
+    assert least_loaded_worker({2: 0, 1: 0, 3: 0}) == 1                     # not the dict's first key
+    assert least_loaded_worker({3: 1}) == 3
+
+
 def test_staleness_rule():
     assert STRICT.admit(3, 3) and not STRICT.admit(2, 3) and not STRICT.admit(4, 3)
     bounded = StalenessRule(2)
@@ -64,6 +78,7 @@ def test_scheduling_is_torch_free():
     code = ("import sys\n"
             "import periodic_async.scheduling.plan, periodic_async.scheduling.producer, periodic_async.scheduling.scorer\n"
             "import periodic_async.scheduling.staleness, periodic_async.scheduling.group_sizing, periodic_async.algo\n"
+            "import periodic_async.scheduling.dp_assignment, periodic_async.rollout.dispatch\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

@@ -1,18 +1,25 @@
-"""The scheduling replay (periodic_async/scheduling/simulator.py) on hand-computable cases, and the
-calibration of tools/simulate.py on a synthetic timeline made with known costs."""
+"""The scheduling replay (tools/sim/) on hand-computable cases, and the calibration of
+tools/simulate.py on a synthetic timeline made with known costs."""
 from __future__ import annotations
 
 import json
 import os
 import random
+import sys
 
 import pytest
 import yaml
 
-from periodic_async.scheduling import simulator as sim
-from periodic_async.scheduling.simulator import (
-    Cluster, Costs, FixedLengths, GenCosts, LogNormalLengths, ParetoLengths, Sample, Workload, replay_engine,
-    replay_step, simulate)
+# tools/ is not a package: tools/sim is imported as `sim` with tools/ on the path, as its scripts do
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+try:
+    from sim import calibration, replay
+    from sim.costs import GEN_FEATURES, Cluster, Costs, GenCosts, Workload
+    from sim.engine import Sample, replay_engine
+    from sim.lengths import FixedLengths, LogNormalLengths, ParetoLengths, parse_lengths
+    from sim.replay import replay_step, simulate
+finally:
+    sys.path.pop(0)
 
 C = 0.001     # seconds per sequence per engine step
 
@@ -89,14 +96,45 @@ def test_long_tail_ordering():
 
 
 def test_dispatch_and_dp_assignment_follow_the_real_code():
+    from periodic_async.rollout import worker
     from periodic_async.train import step
     sizes = {0: 8, 1: 4, 2: 8, 3: 2, 4: 6}
-    assert sim.assign_groups is step.assign_groups        # the trainer's own rule, not a copy
+    assert replay.assign_groups is step.assign_groups      # the trainer's own rule, not a copy
+    assert replay.micro_batch_due is step.micro_batch_due  # when a rank packs: the trainer's rule
+    assert replay.least_loaded_worker is worker.least_loaded_worker    # the rollout pool's rule
     reqs = [[Sample(g, k, 3, 2) for k in range(n)] for g, n in sizes.items()]
-    per_engine = sim.dispatch(reqs, 2)
+    per_engine = replay.dispatch(reqs, 2)
     # least outstanding samples first, ties to the lower engine: 0 -> e0 (8), 1 -> e1 (4), 2 -> e1 (12),
     # 3 -> e0 (10), 4 -> e0 (16)
     assert [sorted({s.group for s in e}) for e in per_engine] == [[0, 3, 4], [1, 2]]
+
+
+def test_the_simulator_is_torch_free():
+    import subprocess
+    tools = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+    code = (f"import sys; sys.path.insert(0, {tools!r})\n"
+            "import sim.calibration, sim.engine_reprefill, sim.projection, sim.replay\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_the_runtime_never_imports_the_simulator():
+    """tools/sim imports the runtime's rules; the runtime imports nothing from tools/."""
+    import ast
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "periodic_async")
+    found = []
+    for d, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(d, name)
+                with open(path) as f:
+                    tree = ast.parse(f.read(), path)
+                for node in ast.walk(tree):
+                    mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                            [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+                    found += [(path, m) for m in mods if m.split(".")[0] in ("sim", "tools")]
+    assert not found
 
 
 def test_dp_ranks_train_their_groups_and_wait_for_each_other():
@@ -126,7 +164,7 @@ def _synthetic_run(d, mode, costs, steps=6, slots=16, prompts=12, n=4, mbs=8, se
     rng = random.Random(seed)
     t, metrics = 100.0, []
     for step in range(1, steps + 1):
-        rep = replay_step(mode, sim.plan_requests(wl, rng), cl, costs, mbs, t0=t, step=step)
+        rep = replay_step(mode, replay.plan_requests(wl, rng), cl, costs, mbs, t0=t, step=step)
         events += rep.events
         metrics.append({"step": step, "timing_s/step": rep.step_s, "perf/total_num_tokens": rep.tokens,
                         "perf/throughput": rep.tokens / rep.step_s / cl.devices(mode), "timing_s/gen": rep.gen_s,
@@ -150,11 +188,11 @@ def test_calibration_recovers_known_costs(tmp_path, engine):
     if engine == "reprefill":
         true.gen.prefill_row_s = 0.0       # every prefill holds all rows' tokens: rows and tokens both vary
     d = _synthetic_run(str(tmp_path / "run"), "periodic", true)
-    calib = sim.calibrate([d], warmup=0)["modes"]["periodic"]
+    calib = calibration.calibrate([d], warmup=0)["modes"]["periodic"]
     got = Costs.from_dict(calib["costs"])
     assert calib["diagnostics"]["generation"]["engine"] == engine
     assert calib["diagnostics"]["generation"]["slot_match"] == 1.0
-    for name in sim.GEN_FEATURES:
+    for name in GEN_FEATURES:
         assert getattr(got.gen, name) == pytest.approx(getattr(true.gen, name), rel=0.02, abs=1e-9), name
     for name in ("micro_step_s", "token_s", "attn_s", "optimizer_s", "sync_s", "dispatch_s", "result_s",
                  "handoff_busy_s", "handoff_wait_s", "post_train_s"):
@@ -162,30 +200,30 @@ def test_calibration_recovers_known_costs(tmp_path, engine):
     # K is the same for every group: only the cost of a group's scoring is identifiable
     assert got.reward_call_s + 4 * got.reward_item_s == pytest.approx(true.reward_call_s + 4 * true.reward_item_s)
     # and the prediction with the recovered costs is the measurement (the same lengths replayed)
-    p = sim.predict_from_calibration({"modes": {"periodic": calib}}, "periodic", measured_lengths=True)
+    p = calibration.predict_from_calibration({"modes": {"periodic": calib}}, "periodic", measured_lengths=True)
     assert p.step_s == pytest.approx(calib["measured"]["step_s"], rel=1e-3)
 
 
 def test_calibrated_sync_split_predicts_periodic(tmp_path):
     runs = [_synthetic_run(str(tmp_path / m), m, TRUE) for m in ("sync", "sync_split", "periodic")]
-    calib = sim.calibrate(runs, warmup=0)
+    calib = calibration.calibrate(runs, warmup=0)
     assert set(calib["modes"]) == {"sync", "sync_split", "periodic"}
-    p = sim.predict_from_calibration(calib, "periodic", costs_from="sync_split", measured_lengths=True)
+    p = calibration.predict_from_calibration(calib, "periodic", costs_from="sync_split", measured_lengths=True)
     assert p.step_s == pytest.approx(calib["modes"]["periodic"]["measured"]["step_s"], rel=0.01)
     for mode in ("sync", "sync_split"):
-        p = sim.predict_from_calibration(calib, mode, measured_lengths=True)
+        p = calibration.predict_from_calibration(calib, mode, measured_lengths=True)
         assert p.step_s == pytest.approx(calib["modes"][mode]["measured"]["step_s"], rel=0.01)
         # lengths drawn from the pooled empirical distribution instead: close, not equal
-        p = sim.predict_from_calibration(calib, mode, steps=40)
+        p = calibration.predict_from_calibration(calib, mode, steps=40)
         assert p.step_s == pytest.approx(calib["modes"][mode]["measured"]["step_s"], rel=0.15)
 
 
 def test_length_specs():
-    assert sim.parse_lengths("fixed:7").sample(random.Random(0), 3) == [7, 7, 7]
-    ln = sim.parse_lengths("lognormal:200,0.5,512").sample(random.Random(0), 5000)
+    assert parse_lengths("fixed:7").sample(random.Random(0), 3) == [7, 7, 7]
+    ln = parse_lengths("lognormal:200,0.5,512").sample(random.Random(0), 5000)
     assert max(ln) <= 512 and min(ln) >= 1
     assert sorted(ln)[2500] == pytest.approx(200, rel=0.05)
-    pa = sim.parse_lengths("pareto:10,1.5,300").sample(random.Random(0), 5000)
+    pa = parse_lengths("pareto:10,1.5,300").sample(random.Random(0), 5000)
     assert min(pa) >= 10 and max(pa) == 300
     with pytest.raises(ValueError):
-        sim.parse_lengths("gamma:1")
+        parse_lengths("gamma:1")

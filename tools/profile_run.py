@@ -13,7 +13,7 @@ Any mode, any config, any backend: the run needs trainer.record_timeline=true, n
   planning, packing, metrics);
 - the straggler share: the time between the 90th-percentile finish and the last finish of the
   step's samples, over the step time (what the slowest 10% of samples cost);
-- FLOPs per step from the model shape (periodic_async/scheduling/simulator.py: a forward over S
+- FLOPs per step from the model shape (tools/sim/flops.py: a forward over S
   tokens is 2 N S + 2 L d S (S + 1); generation runs P + R - 1 tokens per sample; training runs
   the policy's forward + backward (3 forwards) and the reference's forward (and the old policy's
   when ppo_epochs > 1) over P + R), achieved FLOP/s per device of each stage, over the stage's busy
@@ -36,9 +36,10 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # tools/sim, also when loaded by path
 
-from periodic_async.scheduling.simulator import (  # noqa: E402
-    generation_flops, model_shape_of_run, read_config, read_metrics, read_timeline, steps_of, training_flops)
+from sim.flops import generation_flops, training_flops  # noqa: E402
+from sim.runs import model_shape_of_run, read_config, read_metrics, read_timeline, steps_of  # noqa: E402
 
 # Dense bf16 peak FLOP/s per device, for MFU.
 PEAK_FLOPS = {

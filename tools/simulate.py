@@ -9,10 +9,10 @@
         [--lengths lognormal:200,0.5,512] [--prompt-len 190] [--prompts-per-device 8] [--n 8]
         [--slots 64] [--split-slots N] [--micro-batch 4] [--tp 4] [--steps 4]
 
-The replay (periodic_async/scheduling/simulator.py) makes the real producer's decisions: the
-batch plan, continuous batching per engine, groups scored and handed over in completion order
-(periodic) or after the whole batch (sync_split), micro-batches of a DP rank's groups as they
-arrive, one optimizer step and one weight sync per batch.
+The replay (tools/sim/replay.py) makes the real producer's decisions: the batch plan, continuous
+batching per engine, groups scored and handed over in completion order (periodic) or after the
+whole batch (sync_split), micro-batches of a DP rank's groups as they arrive, one optimizer step
+and one weight sync per batch.
 
 - calibrate: fits each mode's costs on its runs (trainer.record_timeline=true): per engine step
   (decode / prefill forwards, per row, per token; the engine model - incremental or reprefill -
@@ -34,10 +34,14 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # tools/sim, also when loaded by path
 
-from periodic_async.scheduling.simulator import (  # noqa: E402
-    Cluster, Costs, EmpiricalLengths, FixedLengths, Hardware, ModelShape, Workload, calibrate,
-    costs_from_hardware, parse_lengths, predict_from_calibration, simulate)
+from sim.calibration import calibrate, predict_from_calibration  # noqa: E402
+from sim.costs import Cluster, Costs, Workload  # noqa: E402
+from sim.flops import ModelShape  # noqa: E402
+from sim.lengths import EmpiricalLengths, FixedLengths, parse_lengths  # noqa: E402
+from sim.projection import Hardware, costs_from_hardware  # noqa: E402
+from sim.replay import simulate  # noqa: E402
 
 
 def cmd_calibrate(args) -> None:

@@ -39,6 +39,7 @@ import torch.multiprocessing as mp
 from ..lifetime import die_with_parent
 from ..scheduling.staleness import STRICT, StalenessRule
 from .base import RolloutRequest, RolloutResult
+from .dispatch import least_loaded_worker
 
 log = logging.getLogger(__name__)
 
@@ -545,7 +546,8 @@ class WorkerPool:
 
     # ------------------------------------------------------------------ generation
     def dispatch(self, requests: list[RolloutRequest]) -> None:
-        """Send each request to the worker with the least outstanding samples."""
+        """Send each request to the worker with the least outstanding samples (ties: the lowest id;
+        dispatch.least_loaded_worker)."""
         if self.settings.max_model_len is not None:
             from .vllm_engine import check_fits    # importable without vLLM
             for r in requests:
@@ -560,7 +562,7 @@ class WorkerPool:
             load[w] += 1
         per_worker: dict[int, list[RolloutRequest]] = {}
         for r in requests:
-            wid = min(load, key=lambda w: (load[w], w))
+            wid = least_loaded_worker(load)
             ks = r.samples()
             for k in ks:
                 self._owner[(r.group_index, k)] = wid

@@ -1,5 +1,6 @@
-"""Which DP rank trains which group: the one rule, shared by the trainer (train/feed.py,
-train/step.py) and the torch-free simulator (scheduling/simulator.py), so both make the same choice."""
+"""Which DP rank trains which group, and when a rank packs a micro-batch: the rules shared by the
+trainer (train/feed.py, train/step.py) and the torch-free simulator (tools/sim/replay.py), so both
+make the same choices."""
 from __future__ import annotations
 
 
@@ -14,3 +15,10 @@ def assign_groups(sizes: dict[int, int], dp_size: int) -> dict[int, int]:
         owner[g] = r
         load[r] += sizes[g]
     return owner
+
+
+def micro_batch_due(pending: int, groups_left: int, micro_batch_size: int) -> bool:
+    """Whether a DP rank packs a micro-batch now, in epoch 1 (groups in completion order): when
+    `micro_batch_size` of its samples are pending, or some are and none of its groups is still to
+    come (`groups_left` == 0). The micro-batch is the first `micro_batch_size` pending samples."""
+    return pending >= micro_batch_size or (pending > 0 and groups_left == 0)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from ..actor.packing import TrainSample
 from ..algo import batch_normaliser
 from ..scheduling.group import Group
-from ..scheduling.dp_assignment import assign_groups
+from ..scheduling.dp_assignment import assign_groups, micro_batch_due
 from .feed import GroupFeed
 
 
@@ -62,7 +62,7 @@ def _micro_batches(actor, feed: GroupFeed, owner: dict[int, int], dp_rank: int, 
             pending += [TrainSample(r.prompt_ids, r.response_ids, a, r.logprobs, r.policy_version,
                                     reward=rw if with_rewards else None, group=g.group_index if with_rewards else None)
                         for r, a, rw in zip(g.results, g.advantages, g.rewards)]
-        while len(pending) >= micro_batch_size or (pending and remaining == 0):
+        while micro_batch_due(len(pending), remaining, micro_batch_size):
             if with_rewards and len(pending) > micro_batch_size and \
                     pending[micro_batch_size - 1].group == pending[micro_batch_size].group:
                 raise RuntimeError(f"group {pending[micro_batch_size].group} would be split between two micro-batches: "
