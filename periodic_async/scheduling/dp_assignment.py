@@ -1,6 +1,11 @@
-"""Which DP rank trains which group: the one rule, shared by the trainer (train/feed.py,
-train/step.py) and the torch-free simulator (scheduling/simulator.py), so both make the same choice."""
+"""Which DP rank trains which group, and how a rank's samples become micro-batches: the one rule,
+shared by the trainer (train/step.py), the timeline (telemetry/timeline.py) and the torch-free
+simulator (scheduling/simulator.py), so that all of them make the same choice."""
 from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator, Optional, Sequence, TypeVar
+
+T = TypeVar("T")
 
 
 def assign_groups(sizes: dict[int, int], dp_size: int) -> dict[int, int]:
@@ -14,3 +19,33 @@ def assign_groups(sizes: dict[int, int], dp_size: int) -> dict[int, int]:
         owner[g] = r
         load[r] += sizes[g]
     return owner
+
+
+def num_micro_batches(sizes: dict[int, int], owner: dict[int, int], dp_rank: int, micro_batch_size: int) -> int:
+    """Micro-batches a DP rank runs in epoch 1 (`cut_micro_batches` of its groups): known up front
+    from the group sizes (the pipeline schedule needs the count before the first group arrives)."""
+    mine = sum(k for g, k in sizes.items() if owner[g] == dp_rank)
+    return -(-mine // micro_batch_size)
+
+
+def cut_micro_batches(parts: Iterable[Sequence[T]], micro_batch_size: int,
+                      on_split: Optional[Callable[[T], None]] = None) -> Iterator[list[T]]:
+    """The micro-batch split rule: a DP rank's groups (`parts`, each its samples) in completion
+    order, cut every `micro_batch_size` samples as soon as that many are pending; what is left when
+    `parts` ends (the rank's last group arrived) is the last, shorter micro-batch. Lazy: a part is
+    pulled only when no full micro-batch is pending. `on_split(sample)`: called (to raise) when a
+    cut would separate `sample` from the previous sample of its group."""
+    pending: list[T] = []
+    part_of: list[int] = []
+    for i, part in enumerate(parts):
+        pending += part
+        part_of += [i] * len(part)
+        while len(pending) >= micro_batch_size:
+            if on_split is not None and len(pending) > micro_batch_size and \
+                    part_of[micro_batch_size - 1] == part_of[micro_batch_size]:
+                on_split(pending[micro_batch_size])
+            batch, pending = pending[:micro_batch_size], pending[micro_batch_size:]
+            part_of = part_of[micro_batch_size:]
+            yield batch
+    if pending:
+        yield pending
