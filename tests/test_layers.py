@@ -12,7 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / PACKAGE
 
 # Lowest first; a module belongs to the first entry that is its name or a package above it.
 LAYERS = [
-    ("utilities", ["periodic_async", "periodic_async.errors", "periodic_async.lifetime"]),
+    ("utilities", ["periodic_async", "periodic_async.errors", "periodic_async.lifetime", "periodic_async.netaddr"]),
     ("backend", ["periodic_async.backend"]),
     ("models", ["periodic_async.models"]),
     ("algo", ["periodic_async.algo"]),

@@ -7,6 +7,7 @@ import string
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..errors import ConfigError
+from ..netaddr import split_address
 
 if TYPE_CHECKING:   # sections.py imports this module (Config.validate)
     from .sections import Config
@@ -119,9 +120,11 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
         if cfg.rollout.weight_sync != "broadcast":
             raise ConfigError("rollout.remote_workers: workers on other nodes share no memory with the trainer; "
                               "set rollout.weight_sync: broadcast")
-        host, sep, port = cfg.rollout.remote_address.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ConfigError(f"rollout.remote_address: expected HOST:PORT, got {cfg.rollout.remote_address!r}")
+        try:
+            split_address(cfg.rollout.remote_address)
+        except ValueError:
+            raise ConfigError(f"rollout.remote_address: expected HOST:PORT, got "
+                              f"{cfg.rollout.remote_address!r}") from None
     if cfg.rollout.worker_timeout_s <= 0:
         raise ConfigError(f"rollout.worker_timeout_s: must be > 0, got {cfg.rollout.worker_timeout_s}")
     if cfg.data.source in ("jsonl", "parquet", "hf") and not cfg.data.path:
