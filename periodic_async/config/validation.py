@@ -1,5 +1,12 @@
-"""Cross-field validation of a loaded Config: the one place that rejects impossible combinations
-(unknown choices, sizes that do not divide, missing paths) before any model is built."""
+"""Cross-field validation of a loaded Config, before any model is built: every check that needs
+only the config and the model's dimensions is here (unknown choices, sizes that do not divide,
+paths left unset, combinations the code does not support).
+
+What needs more than that is checked at set-up, where it is known: what the files hold (the
+tokenizer's chat template for data.system_prompt in data/prompts.py, the dataset's size against
+data.val_size in train/validation.py, unreadable files) and whether the memory plan fits the
+devices (memory_plan.py). Components may re-check their own arguments where they are built
+(scheduling/mode.py, reward/manager.py, data/synthetic.py); a config that passes here passes those."""
 from __future__ import annotations
 
 import os
@@ -27,6 +34,8 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
     _choice("data.source", cfg.data.source, ("synthetic", "gsm8k", "jsonl", "parquet", "hf"))
     if cfg.data.source == "synthetic":
         _choice("data.synthetic.task", cfg.data.synthetic.task, SYNTHETIC_TASKS)
+        _positive("data.synthetic.num_digits", cfg.data.synthetic.num_digits)
+        _positive("data.synthetic.size", cfg.data.synthetic.size)
         if cfg.data.synthetic.task == "long_tail":
             _positive("data.synthetic.long_tail_max", cfg.data.synthetic.long_tail_max)
             if not cfg.data.synthetic.long_tail_alpha >= 0:
