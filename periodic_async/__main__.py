@@ -15,9 +15,13 @@ from .errors import INPUT_ERROR_EXIT_CODE
 
 
 def _quiet_third_party() -> None:
-    # Megatron-core warns about Apex/TE being absent on every import; they are optional here.
-    warnings.filterwarnings("ignore", module=r"megatron\..*")
+    # Megatron-core warns about Apex / Transformer Engine being absent once per module with a
+    # fallback; they are optional here, and one line says so (main). Its FSDP package logs at
+    # INFO that it found Megatron-core and no Transformer Engine: FSDP is not used.
+    from .backend import quiet_megatron_fallbacks
+    quiet_megatron_fallbacks()
     warnings.filterwarnings("ignore", message=r".*Apex is not installed.*")
+    logging.getLogger("megatron.core.distributed.fsdp").setLevel(logging.WARNING)
     # Megatron's distributed checkpoints go through torch.distributed.checkpoint's ShardedTensor
     # path, which torch marks deprecated at every save and load.
     warnings.filterwarnings("ignore", message=r".*deprecating ShardedTensor.*")
@@ -39,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _quiet_third_party()
+    from .backend import megatron_fallback_note
+    note = megatron_fallback_note()
+    if note and int(os.environ.get("RANK", "0")) == 0:
+        logging.getLogger("periodic_async").info(note)
 
     from .backend import BackendUnavailable
     from .config import ConfigError, load_config

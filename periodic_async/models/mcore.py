@@ -142,7 +142,10 @@ def transformer_config(arch: ModelArch, dtype: str = "float32"):
         variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",   # (dense model: only a config check)
         # The GRPO loss is already normalised by the batch's token count: the schedule must not
         # divide it again by tokens or micro-batches.
-        calculate_per_token_loss=True)
+        calculate_per_token_loss=True,
+        # no CUDA graphs; [] is what megatron-core 0.16 turns its own default "full" into, after
+        # warning on every config that "full" is deprecated
+        cuda_graph_scope=[])
 
 
 def stage_layers(arch: ModelArch) -> range:
