@@ -15,9 +15,14 @@ from .errors import INPUT_ERROR_EXIT_CODE
 
 
 def _quiet_third_party() -> None:
-    # Megatron-core warns about Apex/TE being absent on every import; they are optional here.
-    warnings.filterwarnings("ignore", module=r"megatron\..*")
+    # Megatron-core warns about Apex / Transformer Engine being absent once per module with a
+    # fallback; they are optional here, and one line says so (main, once the Trainer is built).
+    # Its FSDP package logs at INFO that it found Megatron-core and no Transformer Engine: FSDP is
+    # not used.
+    from .backend import quiet_megatron_fallbacks
+    quiet_megatron_fallbacks()
     warnings.filterwarnings("ignore", message=r".*Apex is not installed.*")
+    logging.getLogger("megatron.core.distributed.fsdp").setLevel(logging.WARNING)
     # Megatron's distributed checkpoints go through torch.distributed.checkpoint's ShardedTensor
     # path, which torch marks deprecated at every save and load.
     warnings.filterwarnings("ignore", message=r".*deprecating ShardedTensor.*")
@@ -72,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:   # e.g. torchrun stopping this rank because another one failed
         print("interrupted during set-up", file=sys.stderr)
         return 130
+    # said once the set-up stands (an input error above stays the one line a failed start prints)
+    from .backend import megatron_fallback_note
+    note = megatron_fallback_note()
+    if note and int(os.environ.get("RANK", "0")) == 0:
+        logging.getLogger("periodic_async").info(note)
     from .train.trainer import NonFiniteTraining
     try:
         history = trainer.fit()

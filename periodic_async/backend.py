@@ -20,10 +20,12 @@ dist.all_reduce and parses sys.argv - none of which belongs in a vLLM process.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import socket
 import sys
 import threading
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -335,6 +337,31 @@ def _free_port() -> int:
 
 # ---------------------------------------------------------------------- per-device set-up
 
+# Megatron-core warns at import, once per module that has a fallback (four of them), in every
+# process that imports it, when neither Transformer Engine nor Apex is installed; the fallbacks
+# are what the cpu backend runs on. `quiet_megatron_fallbacks` filters exactly these warnings;
+# the CLI says the fact once instead (`megatron_fallback_note`).
+MEGATRON_FALLBACK_WARNING = r"Transformer Engine and Apex are not installed\. Falling back to"
+
+
+def quiet_megatron_fallbacks() -> None:
+    """Filter Megatron-core's 'Transformer Engine and Apex are not installed. Falling back to ...'
+    warnings in this process (by message; every other warning still shows)."""
+    warnings.filterwarnings("ignore", message=MEGATRON_FALLBACK_WARNING, category=UserWarning)
+
+
+def megatron_fallback_note() -> Optional[str]:
+    """One line saying which of Apex / Transformer Engine is missing (None when both are there)."""
+    missing = [name for name, module in (("Apex", "apex"), ("Transformer Engine", "transformer_engine"))
+               if importlib.util.find_spec(module) is None]
+    if not missing:
+        return None
+    if len(missing) == 1:
+        return f"{missing[0]} is not installed (optional; Megatron-core uses what is there)"
+    return ("Apex and Transformer Engine are not installed: Megatron-core uses its local fallbacks (torch "
+            "optimizers, local multi-tensor kernels)")
+
+
 _CPU_SHIM_APPLIED = False
 
 
@@ -356,7 +383,9 @@ def _apply_cpu_megatron_shims() -> None:
     # maps the same call to the NPU).
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[assignment]
     # The pipeline schedules count tokens in `torch.zeros(..., device="cuda")`: give that module
-    # a torch whose factory functions map "cuda" to the CPU (nothing else changes).
+    # a torch whose factory functions map "cuda" to the CPU (nothing else changes). Rollout workers
+    # import Megatron-core here only: its fallback warnings are filtered first.
+    quiet_megatron_fallbacks()
     import megatron.core.utils as mcore_utils
     from megatron.core.optimizer import clip_grads
     from megatron.core.pipeline_parallel import schedules

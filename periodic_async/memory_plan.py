@@ -8,7 +8,7 @@ config whose plan does not fit (`MemoryPlan.check`, before any model is built);
 Exact and estimated items:
 - Model state is exact: policy weights, fp32 master weights, gradients, AdamW's two moments and the
   frozen old / reference weights, from this rank's parameter count under Megatron-core's TP / PP
-  sharding (`stage_param_numel`) and the byte sizes the actor allocates (actor/optimizer.py,
+  sharding (`models/sizes.py: stage_param_numel`) and the byte sizes the actor allocates (actor/optimizer.py,
   `TriModelActor.memory_bytes`; tests/test_memory_plan.py checks one against the other). Megatron
   keeps RMSNorm weights in fp32 whatever model.dtype is, so they are counted at 4 bytes.
 - Activations, logits, optimizer-step temporaries, export buckets and the rollout engines' KV cache
@@ -31,13 +31,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from .config import Config, ConfigError
+from .models.sizes import DTYPE_BYTES, stage_param_numel, vllm_shard_numel  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:
     from .models.mcore import ModelArch
 
 GiB = 1 << 30
 MiB = 1 << 20
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 NORM_BYTES = 4          # Megatron builds RMSNorm weights in fp32 (no Float16Module cast here)
 MODEL_STATE_KEYS = ("policy", "master", "grads", "optimizer", "old", "ref")   # = TriModelActor.memory_bytes()
 
@@ -184,31 +184,8 @@ def _item_label(i: Item) -> str:
     return i.label + ("*" if i.estimate else "")
 
 
-# ---------------------------------------------------------------------- parameter counts
-
-
-def stage_param_numel(arch: "ModelArch", tp: int = 1, pp: int = 1, stage: int = 0) -> tuple[int, int]:
-    """(parameters, of which RMSNorm weights) on one rank of pipeline stage `stage`, as Megatron-core
-    shards them: q/k/v (+ bias), fc1 (gate + up) and the vocabulary split by TP over their output
-    rows, linear_proj and fc2 over their input columns; norms replicated over TP. Layers split
-    equally over PP; the embedding on the first stage, the final norm and output layer on the last
-    (tied embeddings: no output layer with PP=1; with PP>1 the last stage holds its own copy)."""
-    h, qd, kvd = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    qkv_rows = (qd + 2 * kvd) // tp
-    layer = (qkv_rows * h + (qkv_rows if arch.qkv_bias else 0)     # linear_qkv
-             + h * (qd // tp)                                       # linear_proj
-             + 2 * (arch.ffn_hidden_size // tp) * h                 # linear_fc1 (gate, up)
-             + h * (arch.ffn_hidden_size // tp))                    # linear_fc2
-    layers = arch.num_layers // pp
-    first, last = stage == 0, stage == pp - 1
-    vocab_shard = (arch.vocab_size // tp) * h
-    norms = layers * 2 * h + (h if last else 0)
-    numel = layers * layer + norms
-    if first:
-        numel += vocab_shard
-    if last and not (arch.tie_word_embeddings and first):
-        numel += vocab_shard
-    return numel, norms
+# ---------------------------------------------------------------------- model state
+# (parameter counts per device: models/sizes.py)
 
 
 def model_state_bytes(arch: "ModelArch", cfg: Config, stage: int = 0, with_old: Optional[bool] = None,
@@ -321,21 +298,6 @@ def _trainer_items(arch: "ModelArch", cfg: Config, stage: int, dp: int) -> list[
     items.append(Item("export", "weight export bucket", int(a.export_bucket_mb * MiB), estimate=True, phase=EXPORT,
                       hint="lower actor.export_bucket_mb"))
     return items
-
-
-def vllm_shard_numel(arch: "ModelArch", tp: int = 1) -> tuple[int, int]:
-    """(parameters, key/value width) on one device of a vLLM engine with tensor parallel size `tp`:
-    attention heads, the MLP and the vocabulary split over TP, norms replicated, and key/value heads
-    split too, or replicated when there are fewer than TP (vLLM's QKVParallelLinear: at least one
-    per device). tp == 1: the whole model (`stage_param_numel`)."""
-    h, qd = arch.hidden_size, arch.num_heads * arch.head_dim
-    kvd = max(1, arch.num_kv_heads // tp) * arch.head_dim
-    qkv_rows = qd // tp + 2 * kvd
-    layer = (qkv_rows * h + (qkv_rows if arch.qkv_bias else 0) + h * (qd // tp)
-             + 3 * (arch.ffn_hidden_size // tp) * h)
-    vocab = math.ceil(arch.vocab_size / tp) * h
-    norms = arch.num_layers * 2 * h + h
-    return arch.num_layers * layer + norms + vocab * (1 if arch.tie_word_embeddings else 2), kvd
 
 
 def _rollout_items(arch: "ModelArch", cfg: Config, engines: int,

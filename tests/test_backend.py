@@ -230,3 +230,20 @@ def test_reinitialising_model_parallel_does_not_leak_process_groups(dist_cpu):
         dist_cpu.init_model_parallel(1, 1, seed=0)
     assert len(distributed_c10d._world.pg_map) == groups
     assert len(os.listdir("/proc/self/task")) <= threads + 2
+
+
+def test_megatron_fallback_warnings_are_filtered_by_message_only():
+    """Megatron-core's 'Transformer Engine and Apex are not installed. Falling back to ...' import
+    warnings are dropped (every process that imports it printed four); any other warning shows."""
+    import warnings
+    from periodic_async.backend import megatron_fallback_note, quiet_megatron_fallbacks
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_megatron_fallbacks()
+        warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.")
+        warnings.warn("Transformer Engine and Apex are not installed. Falling back to local implementations "
+                      "of multi_tensor_applier and multi_tensor_scale")
+        warnings.warn("full scope is deprecated.")
+    assert [str(w.message) for w in seen] == ["full scope is deprecated."]
+    note = megatron_fallback_note()
+    assert note is None or "not installed" in note

@@ -150,9 +150,9 @@ def test_partial_checkpoints_are_never_picked_up(tmp_path):
 
 def _tiny_actor(tmp_path, name: str, hidden: int):
     from periodic_async.actor.tri_model import TriModelActor
-    from periodic_async.config import ActorConfig
+    from periodic_async.config import ActorConfig, TinyModelConfig
     from periodic_async.models.mcore import arch_from_hf_dir
-    from periodic_async.models.tiny import TinyModelConfig, make_tiny_model_dir
+    from periodic_async.models.tiny import make_tiny_model_dir
     model_dir = make_tiny_model_dir(TinyModelConfig(hidden_size=hidden, ffn_hidden_size=2 * hidden),
                                     str(tmp_path / name), seed=0)
     return TriModelActor(ActorConfig(), arch_from_hf_dir(model_dir), model_dir, with_reference=False)

@@ -210,3 +210,14 @@ def test_rollout_tensor_parallel_and_enforce_eager_load_typed():
         load_config(DEFAULT, ["rollout.enforce_eager=yes please"])
     with pytest.raises(ConfigError, match="rollout.tensor_parallel_size: expected an integer, got float 1.5"):
         load_config(DEFAULT, ["rollout.tensor_parallel_size=1.5"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.synthetic.num_digits=0", "data.synthetic.num_digits: must be >= 1, got 0"),
+    ("data.synthetic.size=0", "data.synthetic.size: must be >= 1, got 0"),
+])
+def test_synthetic_task_sizes_are_validated(override, message):
+    """data/synthetic.py refuses them too, but only once the records are built: the config check
+    stops the run first, naming the key."""
+    with pytest.raises(ConfigError, match=message):
+        load_config("configs/default.yaml", [override]).validate(world_size=1)

@@ -171,3 +171,24 @@ def test_non_finite_gradients_skip_the_update_and_stop_the_run(tmp_path):
     records = read_metrics(str(tmp_path / "run"))
     assert [r["actor/step_skipped"] for r in records] == [1.0, 1.0]
     assert [r["trainer/nonfinite_steps_in_a_row"] for r in records] == [1, 2]
+
+
+def test_startup_says_each_fact_once(tmp_path):
+    """`python -m periodic_async` start-up: Megatron-core's Apex / Transformer Engine fallback
+    warnings (four per process that imports it: the trainer and every rollout worker), its FSDP
+    INFO lines, the workers' HF loading bars and math-verify's 'Timeout is disabled' notices (each
+    reward worker) are gone; the fallback is said once."""
+    import subprocess
+    import sys
+    from periodic_async.backend import megatron_fallback_note
+    proc = subprocess.run(
+        [sys.executable, "-m", "periodic_async", "--config", "configs/default.yaml", "trainer.total_steps=1",
+         f"trainer.run_dir={tmp_path / 'run'}", "trainer.progress_bar=false", "trainer.save_final=false",
+         "trainer.save_every=0", "reward.name=gsm8k", "reward.num_workers=1"],
+        capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    for noise in ("Falling back to", "megatron_fsdp", "Loading weights", "Timeout is disabled", "Warning"):
+        assert noise not in out, out
+    note = megatron_fallback_note()
+    assert out.count(note or "not installed") == (1 if note else 0), out

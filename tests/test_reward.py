@@ -287,3 +287,19 @@ def test_custom_reward_needs_a_worker_so_that_a_hang_ends(reward_file: str) -> N
     assert cfg.reward.num_workers == 0
     with pytest.raises(ConfigError, match=r"reward.num_workers: 0 .* not allowed for reward.name 'custom'"):
         cfg.validate()
+
+
+def test_math_verify_timeout_notice_is_dropped_in_workers_and_inline(gsm8k_records: list, capfd,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """math-verify warns 'Timeout is disabled ...' in every process that scores (its timeouts are
+    off on purpose: the manager enforces reward.timeout_s); the workers and the inline scorer drop
+    that notice, and only it."""
+    with RewardManager(RewardConfig(name="gsm8k", num_workers=1, timeout_s=30.0)) as manager:
+        assert manager.score([("#### 72", gsm8k_records[0].answer)]).scores == [1.0]
+    assert "Timeout is disabled" not in capfd.readouterr().err
+    with caplog.at_level(logging.WARNING), RewardManager(RewardConfig(name="gsm8k", num_workers=0)) as manager:
+        assert manager.score([("#### 72", gsm8k_records[0].answer)]).scores == [1.0]
+        logging.getLogger("math_verify.parser").warning("Timeout is disabled as parsing_timeout is None")
+        logging.getLogger("math_verify.parser").warning("some other math-verify warning")
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("math_verify")] == [
+        "some other math-verify warning"]

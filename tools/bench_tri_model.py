@@ -73,6 +73,7 @@ def worker(args) -> None:
     from periodic_async.actor.packing import TrainSample, pack_micro_batch
     from periodic_async.actor.tri_model import TriModelActor
     from periodic_async.models.mcore import arch_from_hf_dir
+    from periodic_async.models.sizes import stage_param_numel
     from periodic_async.models.tiny import make_random_model_dir
 
     backend = get_backend(args.backend)
@@ -86,7 +87,7 @@ def worker(args) -> None:
         make_random_model_dir(model_dir, hidden, layers, heads, kv, ffn, vocab)
     dist.barrier()
     arch = arch_from_hf_dir(model_dir)
-    n_params = sum(p.numel() for p in _hf_shapes(arch).parameters())
+    n_params = stage_param_numel(arch)[0]          # the whole model (TP = PP = 1)
 
     def engine(**kw):
         cfg = ActorConfig(ppo_epochs=2, kl_coef=0.001, micro_batch_size=mbs, **kw)
@@ -141,17 +142,6 @@ def worker(args) -> None:
                           "peak_bytes": mem, "state_bytes": states, "device": backend.name}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _hf_shapes(arch):
-    """A meta-device HF model of the arch (parameter count only)."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    cfg = Qwen2Config(vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, intermediate_size=arch.ffn_hidden_size,
-                      num_hidden_layers=arch.num_layers, num_attention_heads=arch.num_heads,
-                      num_key_value_heads=arch.num_kv_heads, tie_word_embeddings=arch.tie_word_embeddings)
-    with torch.device("meta"):
-        return Qwen2ForCausalLM(cfg)
 
 
 def drive(args) -> list[dict]:

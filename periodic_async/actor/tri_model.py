@@ -1,4 +1,4 @@
-"""The tri-model engine: policy, old policy and reference on ONE Megatron-core layout.
+"""The tri-model actor: policy, old policy and reference on ONE Megatron-core layout.
 
 GRPO needs three log-probs per response token: the policy's (with gradient), the old policy's
 (the policy at the start of the batch, for the PPO ratio) and the reference's (the initial
@@ -22,7 +22,7 @@ as one tensor, and the backward runs through the policy only.
   (models/convert.py), consumed by the weight sync at batch boundaries.
 
 Shapes: B packed rows, S positions, H hidden, V/TP the vocabulary shard; per-token tensors are
-[B, S] (unshared) or [N, L] per response (shared prompt, engine/batch.py).
+[B, S] (unshared) or [N, L] per response (shared prompt, actor/packing.py).
 """
 from __future__ import annotations
 

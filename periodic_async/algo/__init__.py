@@ -7,7 +7,10 @@
 - variance control for off-policy batches (ESS, learning-rate scale, baseline): variance_control.py.
 
 The actor (periodic_async/actor) calls the loss it was built with inside its micro-step and knows
-nothing of GRPO; the scorer (periodic_async/scheduling) calls the estimator on each scored group.
+nothing of GRPO; the scorer (scheduling/scorer.py) calls the configured estimator on each complete
+scored group. An estimator with `uses_importance_ratios` (vcpo_baseline) needs the ratios
+pi_prox / pi_behav, known only in the loss: the scorer's values (ratios 1) are replaced there, per
+micro-batch, by losses.importance_baseline_advantages.
 Register a new one with `@register_adv_estimator("name")` / `@register_policy_loss("name")`.
 """
 from . import variance_control

@@ -20,11 +20,10 @@ from typing import Any, Optional
 
 import yaml
 
+from ..errors import ConfigError
 from .sections import Config
 
-
-class ConfigError(ValueError):
-    """A bad configuration value; the message names the dotted key and what is allowed."""
+__all__ = ["ConfigError", "config_from_dict", "config_to_dict", "load_config", "parse_override"]
 
 
 def _describe(tp: Any) -> str:

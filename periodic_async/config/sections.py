@@ -265,13 +265,13 @@ class TrainerConfig:
     # A step whose gradient norm is not finite is skipped (no optimizer update) and counted; this
     # many in a row stop the run.
     max_nonfinite_steps: int = 5
-    # Checkpoints (train/checkpoint.py) every this many steps (0: never) into run_dir/checkpoints,
-    # the last keep_checkpoints kept. resume: auto (the newest checkpoint in run_dir, if any) |
-    # none | a checkpoint directory.
     # Validation (needs data.val_path or data.val_size): before training and every val_every steps
     # (0: never); val_n sampled responses per prompt besides the greedy one.
     val_every: int = 0
     val_n: int = 4
+    # Checkpoints (train/checkpoint.py) every this many steps (0: never) into run_dir/checkpoints,
+    # the last keep_checkpoints kept. resume: auto (the newest checkpoint in run_dir, if any) |
+    # none | a checkpoint directory.
     save_every: int = 50
     keep_checkpoints: int = 2
     resume: str = "auto"

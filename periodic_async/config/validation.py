@@ -1,13 +1,26 @@
-"""Cross-field validation of a loaded Config: the one place that rejects impossible combinations
-(unknown choices, sizes that do not divide, missing paths) before any model is built."""
+"""Cross-field validation of a loaded Config, before any model is built: every check that needs
+only the config and the model's dimensions is here (unknown choices, sizes that do not divide,
+paths left unset, combinations the code does not support).
+
+What needs more than that is checked at set-up, where it is known: what the files hold (the
+tokenizer's chat template for data.system_prompt in data/prompts.py, the dataset's size against
+data.val_size in train/validation.py, unreadable files) and whether the memory plan fits the
+devices (memory_plan.py). Components may re-check their own arguments where they are built
+(scheduling/mode.py, reward/manager.py, data/synthetic.py); a config that passes here passes those."""
 from __future__ import annotations
 
 import os
 import string
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from .loading import ConfigError
-from .sections import Config
+from ..errors import ConfigError
+from ..netaddr import split_address
+
+if TYPE_CHECKING:   # sections.py imports this module (Config.validate)
+    from .sections import Config
+
+# data.synthetic.task: the built-in tasks (data/synthetic.py implements them; it reads this list)
+SYNTHETIC_TASKS = ("next_digit", "copy_last", "sum_mod10", "long_tail")
 
 
 def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[int] = None,
@@ -20,8 +33,9 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
     _choice("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16"))
     _choice("data.source", cfg.data.source, ("synthetic", "gsm8k", "jsonl", "parquet", "hf"))
     if cfg.data.source == "synthetic":
-        from periodic_async.data.synthetic import TASKS  # numpy only
-        _choice("data.synthetic.task", cfg.data.synthetic.task, TASKS)
+        _choice("data.synthetic.task", cfg.data.synthetic.task, SYNTHETIC_TASKS)
+        _positive("data.synthetic.num_digits", cfg.data.synthetic.num_digits)
+        _positive("data.synthetic.size", cfg.data.synthetic.size)
         if cfg.data.synthetic.task == "long_tail":
             _positive("data.synthetic.long_tail_max", cfg.data.synthetic.long_tail_max)
             if not cfg.data.synthetic.long_tail_alpha >= 0:
@@ -115,9 +129,11 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
         if cfg.rollout.weight_sync != "broadcast":
             raise ConfigError("rollout.remote_workers: workers on other nodes share no memory with the trainer; "
                               "set rollout.weight_sync: broadcast")
-        host, sep, port = cfg.rollout.remote_address.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ConfigError(f"rollout.remote_address: expected HOST:PORT, got {cfg.rollout.remote_address!r}")
+        try:
+            split_address(cfg.rollout.remote_address)
+        except ValueError:
+            raise ConfigError(f"rollout.remote_address: expected HOST:PORT, got "
+                              f"{cfg.rollout.remote_address!r}") from None
     if cfg.rollout.worker_timeout_s <= 0:
         raise ConfigError(f"rollout.worker_timeout_s: must be > 0, got {cfg.rollout.worker_timeout_s}")
     if cfg.data.source in ("jsonl", "parquet", "hf") and not cfg.data.path:
@@ -133,7 +149,6 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
         raise ConfigError(f"rollout.n: group size must be >= 2 for group-normalised advantages, got {cfg.rollout.n}")
     _choice("rollout.group_sizing", cfg.rollout.group_sizing, ("fixed", "sagc"))
     if cfg.rollout.group_sizing == "sagc":
-        from periodic_async.scheduling.group_sizing import validate_sagc  # torch-free
         validate_sagc(cfg.rollout.sagc, cfg.rollout.n)
     allocating = cfg.rollout.pilot.enabled or cfg.rollout.backfill.enabled
     if allocating:
@@ -220,6 +235,31 @@ def check_prompt_template(template: Optional[str]) -> None:
     if fields != {"prompt"}:
         raise ConfigError(f"data.prompt_template: {template!r} must contain {{prompt}} (where the record's "
                           f"prompt goes) and no other field; write literal braces as {{{{ }}}}")
+
+
+def validate_sagc(cfg: Any, start_size: int) -> None:
+    """rollout.sagc (a SAGCConfig) with start size rollout.n: raise ConfigError naming the
+    rollout.sagc key (or rollout.n) that SAGC (scheduling/group_sizing.py) cannot run with."""
+    c = list(cfg.candidates)
+    if not c or any(g < 2 for g in c) or any(a >= b for a, b in zip(c, c[1:])):
+        raise ConfigError(f"rollout.sagc.candidates: must be group sizes >= 2 in increasing order, got {c}")
+    if start_size not in c:
+        raise ConfigError(f"rollout.n: with rollout.group_sizing: sagc the first step's group size "
+                          f"{start_size} must be one of rollout.sagc.candidates {c}")
+    if not cfg.tau > 1:
+        raise ConfigError(f"rollout.sagc.tau: must be > 1 (max / median of the lengths is >= 1), got {cfg.tau}")
+    if not 0 < cfg.delta < 1:
+        raise ConfigError(f"rollout.sagc.delta: must be in (0, 1), got {cfg.delta}")
+    if not cfg.eta > 0:
+        raise ConfigError(f"rollout.sagc.eta: must be > 0, got {cfg.eta}")
+    if not 0 < cfg.gamma <= 1:
+        raise ConfigError(f"rollout.sagc.gamma: must be in (0, 1], got {cfg.gamma}")
+    if cfg.seed < 0:
+        raise ConfigError(f"rollout.sagc.seed: must be >= 0, got {cfg.seed}")
+    if not cfg.prompt_prior_weight >= 0:
+        raise ConfigError(f"rollout.sagc.prompt_prior_weight: must be >= 0, got {cfg.prompt_prior_weight}")
+    if not 0 < cfg.prompt_ema <= 1:
+        raise ConfigError(f"rollout.sagc.prompt_ema: must be in (0, 1], got {cfg.prompt_ema}")
 
 
 def check_off_policy_keys(actor: Any, policy_losses: dict) -> None:

@@ -24,9 +24,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import SyntheticTaskConfig
+from ..config.validation import SYNTHETIC_TASKS
 from .records import PromptRecord
 
-TASKS = ("next_digit", "copy_last", "sum_mod10", "long_tail")
+TASKS = SYNTHETIC_TASKS     # the names data.synthetic.task accepts; each is implemented below
 
 
 def answer_for(task: str, digits: str) -> str:

@@ -10,8 +10,6 @@ Megatron's local DotProductAttention (the local spec as is), or shared-prompt at
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import re
 from dataclasses import dataclass
 
@@ -19,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
+from .hf_config import CheckpointError, read_hf_config  # noqa: F401 - CheckpointError re-exported
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,10 +29,6 @@ def torch_dtype(name: str) -> torch.dtype:
 
 class UnsupportedModel(InputError):
     """The checkpoint's architecture or a config field is not supported; the message says which."""
-
-
-class CheckpointError(InputError):
-    """A model directory that is missing or cannot be read; the message names the file."""
 
 
 class UnsupportedMegatronCore(RuntimeError):
@@ -81,20 +76,7 @@ class ModelArch:
 
 
 def arch_from_hf_dir(path: str) -> ModelArch:
-    if not os.path.isdir(path):
-        raise CheckpointError(f"model.path: {path} is not a directory (expected a Hugging Face model directory)")
-    cfg_file = os.path.join(path, "config.json")
-    if not os.path.exists(cfg_file):
-        raise CheckpointError(f"model.path: {path} has no config.json (expected a Hugging Face model directory)")
-    try:
-        with open(cfg_file) as f:
-            c = json.load(f)
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{cfg_file}: cannot be read ({e})") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(c, dict):
-        raise CheckpointError(f"{cfg_file}: expected a JSON object, got {type(c).__name__}")
+    c, cfg_file = read_hf_config(path)
     return arch_from_hf_dict(c, source=cfg_file)
 
 
@@ -160,7 +142,10 @@ def transformer_config(arch: ModelArch, dtype: str = "float32"):
         variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",   # (dense model: only a config check)
         # The GRPO loss is already normalised by the batch's token count: the schedule must not
         # divide it again by tokens or micro-batches.
-        calculate_per_token_loss=True)
+        calculate_per_token_loss=True,
+        # no CUDA graphs; [] is what megatron-core 0.16 turns its own default "full" into, after
+        # warning on every config that "full" is deprecated
+        cuda_graph_scope=[])
 
 
 def stage_layers(arch: ModelArch) -> range:

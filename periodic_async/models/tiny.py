@@ -6,11 +6,24 @@ The embedded CPU run then loads it through exactly the path a real checkpoint ta
 from __future__ import annotations
 
 import os
+from typing import Protocol
 
 import torch
 
-from ..config import TinyModelConfig
 from .tokenizer import build_char_tokenizer, mark_char_tokenizer
+
+
+class TinyShape(Protocol):
+    """The tiny model's dimensions, as model.tiny (config.sections.TinyModelConfig) holds them;
+    any object with these attributes will do (this layer does not import the config)."""
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    tie_word_embeddings: bool
 
 
 def rope_config_kwargs(theta: float) -> dict:
@@ -26,7 +39,7 @@ def rope_config_kwargs(theta: float) -> dict:
     return {"rope_theta": theta}
 
 
-def tiny_hf_config(cfg: TinyModelConfig, vocab_size: int, eos_id: int, pad_id: int):
+def tiny_hf_config(cfg: TinyShape, vocab_size: int, eos_id: int, pad_id: int):
     from transformers import Qwen2Config
     return Qwen2Config(
         vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
@@ -37,7 +50,7 @@ def tiny_hf_config(cfg: TinyModelConfig, vocab_size: int, eos_id: int, pad_id: i
         eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None, architectures=["Qwen2ForCausalLM"])
 
 
-def make_tiny_model_dir(cfg: TinyModelConfig, out_dir: str, seed: int) -> str:
+def make_tiny_model_dir(cfg: TinyShape, out_dir: str, seed: int) -> str:
     """Write config.json, model.safetensors and the tokenizer to `out_dir` (random init, seeded)."""
     from transformers import Qwen2ForCausalLM
     tok = build_char_tokenizer()
@@ -68,7 +81,7 @@ def make_random_model_dir(out_dir: str, hidden: int, layers: int, heads: int, kv
     return out_dir
 
 
-def tiny_arch(cfg: TinyModelConfig):
+def tiny_arch(cfg: TinyShape):
     """The ModelArch the tiny model will have, known before its directory is written."""
     from .mcore import arch_from_hf_dict
     tok = build_char_tokenizer()

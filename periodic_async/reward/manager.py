@@ -170,10 +170,31 @@ def _call_reward(fn: RewardFn, response: str, answer: str) -> tuple[float, Optio
 _worker_fn: Optional[RewardFn] = None  # set once per worker process, by _init_worker
 
 
+class _DropMathVerifyTimeoutNotice(logging.Filter):
+    """math-verify warns 'Timeout is disabled as ... is None or <= 0' once per module (parser and
+    grader) in each process that scores: the gsm8k reward turns its SIGALRM timeouts off on
+    purpose, because this manager enforces reward.timeout_s by killing the worker instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled as ")
+
+
+_MATH_VERIFY_FILTER = _DropMathVerifyTimeoutNotice()
+
+
+def _quiet_reward_libraries() -> None:
+    """Install the filters above in this process (a reward worker, or the trainer scoring inline)."""
+    for name in ("math_verify.parser", "math_verify.grader"):
+        log = logging.getLogger(name)
+        if _MATH_VERIFY_FILTER not in log.filters:
+            log.addFilter(_MATH_VERIFY_FILTER)
+
+
 def _init_worker(fn_ref: RewardFnRef, ready: Any) -> None:
     """pebble initializer: load the fn and report on `ready` (a SimpleQueue) whether that worked.
     Re-raising makes pebble end this worker before it takes any item."""
     global _worker_fn
+    _quiet_reward_libraries()
     try:
         _worker_fn = load_reward_fn(fn_ref)
     except BaseException as e:
@@ -217,6 +238,7 @@ class RewardManager:
         self.startup_timeout_s = startup_timeout_s
         fn_ref = resolve_reward_fn(cfg)
         self._fn = load_reward_fn(fn_ref)  # eager: a bad reference fails here, before training starts
+        _quiet_reward_libraries()          # num_workers 0 scores in this process
         # Workers may not share the parent's idea of a relative path; give them an absolute one.
         if _is_file_ref(fn_ref[0]):
             fn_ref = (os.path.abspath(fn_ref[0]), fn_ref[1])

@@ -313,6 +313,8 @@ class HFRolloutEngine(RolloutEngine):
                  max_slots: int = 256, device: str | torch.device = "cpu",
                  attn_implementation: str = "sdpa"):
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()   # a 'Loading weights' bar per worker at start-up
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch.float32, attn_implementation=attn_implementation).to(device).eval()
         self.device = torch.device(device)

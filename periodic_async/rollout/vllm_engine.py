@@ -110,9 +110,8 @@ def check_fits(request: RolloutRequest, max_model_len: int) -> None:
 
 def _model_max_len(model_dir: str) -> int:
     """max_position_embeddings from config.json (vLLM's default max_model_len for these models)."""
-    import json
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
+    from ..models.hf_config import read_hf_config
+    cfg, _ = read_hf_config(model_dir)
     return int(cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings", 4096))
 
 

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..backend import get_backend
+from ..netaddr import split_address
 
 Layout = list[tuple[str, tuple[int, ...]]]
 
@@ -63,8 +64,8 @@ def pair_group(backend: str, store: dist.Store | None, address: str | None, key:
     """The two-member group named `key` (rank 0: the pool, rank 1: a worker). The pool passes its
     store; a worker passes the pool's "host:port". Blocks until both members have joined."""
     if store is None:
-        host, port = address.rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+        host, port = split_address(address)
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
     prefixed = dist.PrefixStore(f"weight-sync/{key}/", store)
     return get_backend(backend).pair_group(prefixed, rank, 2, timeout_s)
 

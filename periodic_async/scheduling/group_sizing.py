@@ -43,6 +43,9 @@ import statistics
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
+# rollout.sagc's checks live with the other config checks; re-exported here for SAGC's users
+from ..config.validation import validate_sagc  # noqa: F401
+
 PRIOR_ALPHA = 1.0       # Beta(1, 1): the uniform prior every posterior is discounted towards
 PRIOR_BETA = 1.0
 PROMPT_PRIOR_DRAWS = 64  # Monte Carlo batches per prediction of the prompt prior
@@ -77,31 +80,6 @@ def choose_size(candidates: Sequence[int], current: int, draws: Sequence[float],
         if score > best_score:
             best, best_score = candidates[j], score
     return best
-
-
-def validate_sagc(cfg, start_size: int) -> None:
-    """Raise ConfigError naming the rollout.sagc key (or rollout.n) that SAGC cannot run with."""
-    from ..config.loading import ConfigError
-    c = list(cfg.candidates)
-    if not c or any(g < 2 for g in c) or any(a >= b for a, b in zip(c, c[1:])):
-        raise ConfigError(f"rollout.sagc.candidates: must be group sizes >= 2 in increasing order, got {c}")
-    if start_size not in c:
-        raise ConfigError(f"rollout.n: with rollout.group_sizing: sagc the first step's group size "
-                          f"{start_size} must be one of rollout.sagc.candidates {c}")
-    if not cfg.tau > 1:
-        raise ConfigError(f"rollout.sagc.tau: must be > 1 (max / median of the lengths is >= 1), got {cfg.tau}")
-    if not 0 < cfg.delta < 1:
-        raise ConfigError(f"rollout.sagc.delta: must be in (0, 1), got {cfg.delta}")
-    if not cfg.eta > 0:
-        raise ConfigError(f"rollout.sagc.eta: must be > 0, got {cfg.eta}")
-    if not 0 < cfg.gamma <= 1:
-        raise ConfigError(f"rollout.sagc.gamma: must be in (0, 1], got {cfg.gamma}")
-    if cfg.seed < 0:
-        raise ConfigError(f"rollout.sagc.seed: must be >= 0, got {cfg.seed}")
-    if not cfg.prompt_prior_weight >= 0:
-        raise ConfigError(f"rollout.sagc.prompt_prior_weight: must be >= 0, got {cfg.prompt_prior_weight}")
-    if not 0 < cfg.prompt_ema <= 1:
-        raise ConfigError(f"rollout.sagc.prompt_ema: must be in (0, 1], got {cfg.prompt_ema}")
 
 
 def build_group_sizer(rollout_cfg):

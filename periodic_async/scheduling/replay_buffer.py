@@ -1,4 +1,5 @@
-"""Surplus prompts kept for a later step, with an age limit (torch-free).
+"""The keys of surplus prompts kept for a later step, with an age limit (torch-free). Prompt
+keys only: despite the name, no experience (rollouts, rewards, log-probs) is ever held here.
 
 A prompt whose pilot passed but that did not get a commit this step (the step's budget or its B
 groups were already taken) goes here, so a later step where too few pilots pass can still train

@@ -9,8 +9,8 @@ holds version b - 1 - eta or newer (`may_dispatch`); batch b is trained at versi
 token of it is at most eta versions old, and eta = 0 is the periodic schedule. The rollout pool asks this rule
 to drop results that arrive from an older policy (late duplicates of a restarted worker), and the
 trainer asks it to refuse a group outright (a broken weight sync would otherwise train silently on
-the wrong policy); both ask the same rule, so a bounded-staleness mode changes only this file's
-configuration.
+the wrong policy); the producer asks it when a batch may be dispatched. Every one of these asks
+this rule, with the mode's eta (scheduling/mode.py): it is the one staleness decision.
 """
 from __future__ import annotations
 

@@ -25,6 +25,8 @@ import json
 import threading
 import time
 
+from ..scheduling.dp_assignment import assign_groups, cut_micro_batches
+
 
 class Timeline:
     def __init__(self):
@@ -96,9 +98,8 @@ class Timeline:
 
 def _micro_batches(groups, micro_batch_size: int, dp_size: int) -> list[list[tuple[int, int, int]]]:
     """DP rank 0's micro-batches as (group, prompt tokens, response tokens) per sample: its groups
-    (scheduling/dp_assignment.py) in completion order, cut every micro_batch_size samples."""
-    from ..scheduling.dp_assignment import assign_groups
+    in completion order, split by the trainer's rule (scheduling/dp_assignment.py)."""
     owner = assign_groups({g.group_index: g.size for g in groups}, dp_size)
-    samples = [(g.group_index, len(r.prompt_ids), len(r.response_ids))
-               for g in groups if owner[g.group_index] == 0 for r in g.results]
-    return [samples[i:i + micro_batch_size] for i in range(0, len(samples), micro_batch_size)]
+    mine = ([(g.group_index, len(r.prompt_ids), len(r.response_ids)) for r in g.results]
+            for g in groups if owner[g.group_index] == 0)
+    return list(cut_micro_batches(mine, micro_batch_size))

@@ -1,4 +1,5 @@
-"""The batch's groups on every trainer rank, and which data-parallel rank trains on which group.
+"""The batch's groups on every trainer rank: rank 0's scored groups, handed to every other rank in
+completion order (which DP rank then trains on which group is scheduling/dp_assignment.py's rule).
 
 Rank 0 owns the rollout side. With more than one rank, a thread on each rank takes part in one
 object broadcast per group on a dedicated gloo group, so feeding never interleaves with the

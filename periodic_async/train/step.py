@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from ..actor.packing import TrainSample
 from ..algo import batch_normaliser
 from ..scheduling.group import Group
-from ..scheduling.dp_assignment import assign_groups, micro_batch_due
+from ..scheduling.dp_assignment import assign_groups, cut_micro_batches, num_micro_batches
 from .feed import GroupFeed
 
 
@@ -29,25 +29,20 @@ class BatchResult:
     train_intervals: list = field(default_factory=list)  # (start, end) of each epoch-1 micro-step
 
 
-def num_micro_batches(sizes: dict[int, int], owner: dict[int, int], dp_rank: int, micro_batch_size: int) -> int:
-    """Micro-batches a DP rank runs in epoch 1: known up front (the pipeline schedule needs it)."""
-    mine = sum(k for g, k in sizes.items() if owner[g] == dp_rank)
-    return -(-mine // micro_batch_size)
-
-
 def _micro_batches(actor, feed: GroupFeed, owner: dict[int, int], dp_rank: int, check_group,
                    micro_batch_size: int, out: BatchResult, seat=None, num_micro_batches: int = 0,
                    with_rewards: bool = False):
-    """Packed micro-batches of this DP rank's groups, in completion order, as they arrive, then
-    loss-free padding up to `num_micro_batches` when groups came empty (positions an allocator
-    did not fill). `seat` (backend.CoreSeat, cpu only): cores shared with the rollout workers -
-    given up while waiting for a group, re-divided before each micro-step. `with_rewards`: the
-    samples carry their reward and group (the loss re-centres the advantages, vcpo_baseline), and
-    every micro-batch must hold whole groups."""
-    produced = 0
-    pending: list[TrainSample] = []
-    remaining = sum(1 for g in owner.values() if g == dp_rank)
-    for _ in range(feed.n):
+    """Packed micro-batches of this DP rank's groups as they arrive (the split rule:
+    dp_assignment.cut_micro_batches), then loss-free padding up to `num_micro_batches` when groups
+    came empty (positions an allocator did not fill). Every group of the batch is received (and
+    checked, and kept in `out.groups`), this rank's or not. `seat` (backend.CoreSeat, cpu only):
+    cores shared with the rollout workers - given up while waiting for a group, re-divided before
+    each micro-step. `with_rewards`: the samples carry their reward and group (the loss re-centres
+    the advantages, vcpo_baseline), and every micro-batch must hold whole groups."""
+    received = 0
+
+    def next_group():
+        nonlocal received
         t0 = time.perf_counter()
         if seat is not None:
             seat.set_busy(False)
@@ -55,31 +50,42 @@ def _micro_batches(actor, feed: GroupFeed, owner: dict[int, int], dp_rank: int, 
         if seat is not None:
             seat.set_busy(True)
         out.wait_s += time.perf_counter() - t0
+        received += 1
         check_group(g)
         out.groups.append(g)
-        if owner[g.group_index] == dp_rank:
-            remaining -= 1
-            pending += [TrainSample(r.prompt_ids, r.response_ids, a, r.logprobs, r.policy_version,
-                                    reward=rw if with_rewards else None, group=g.group_index if with_rewards else None)
-                        for r, a, rw in zip(g.results, g.advantages, g.rewards)]
-        while micro_batch_due(len(pending), remaining, micro_batch_size):
-            if with_rewards and len(pending) > micro_batch_size and \
-                    pending[micro_batch_size - 1].group == pending[micro_batch_size].group:
-                raise RuntimeError(f"group {pending[micro_batch_size].group} would be split between two micro-batches: "
-                                   "algo.adv_estimator vcpo_baseline needs actor.micro_batch_size to be a multiple "
-                                   "of every group's size")
-            mb = actor.pack(pending[:micro_batch_size])
-            pending = pending[micro_batch_size:]
-            # the schedule computes this micro-batch between the yield and its next request; the
-            # last one is closed by train_batch when the schedule returns
-            interval = [time.perf_counter(), None]
-            out.train_intervals.append(interval)
-            if seat is not None:
-                seat.refresh()
-            produced += 1
-            yield mb
-            if interval[1] is None:
-                interval[1] = time.perf_counter()
+        return g
+
+    def my_groups():
+        """This rank's groups' samples, in completion order, until its last one has arrived."""
+        remaining = sum(1 for g in owner.values() if g == dp_rank)
+        while remaining and received < feed.n:
+            g = next_group()
+            if owner[g.group_index] == dp_rank:
+                remaining -= 1
+                yield [TrainSample(r.prompt_ids, r.response_ids, a, r.logprobs, r.policy_version,
+                                   reward=rw if with_rewards else None, group=g.group_index if with_rewards else None)
+                       for r, a, rw in zip(g.results, g.advantages, g.rewards)]
+
+    def split(sample):
+        raise RuntimeError(f"group {sample.group} would be split between two micro-batches: "
+                           "algo.adv_estimator vcpo_baseline needs actor.micro_batch_size to be a multiple "
+                           "of every group's size")
+
+    produced = 0
+    for samples in cut_micro_batches(my_groups(), micro_batch_size, split if with_rewards else None):
+        mb = actor.pack(samples)
+        # the schedule computes this micro-batch between the yield and its next request; the
+        # last one is closed by train_batch when the schedule returns
+        interval = [time.perf_counter(), None]
+        out.train_intervals.append(interval)
+        if seat is not None:
+            seat.refresh()
+        produced += 1
+        yield mb
+        if interval[1] is None:
+            interval[1] = time.perf_counter()
+    while received < feed.n:        # the groups after this rank's last (other DP ranks')
+        next_group()
     for _ in range(num_micro_batches - produced):
         yield actor.pack_padding()
 
