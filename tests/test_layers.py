@@ -34,8 +34,6 @@ LAYERS = [
 KNOWN_UPWARD = {
     # to be removed: the worker should take the staleness rule's decision as a value (rollout/worker.py)
     ("periodic_async.rollout.worker", "periodic_async.scheduling.staleness"),
-    # to be removed: union_length belongs below scheduling (scheduling/simulator.py)
-    ("periodic_async.scheduling.simulator", "periodic_async.telemetry.step_metrics"),
     # to be removed: PilotConfig / BackfillConfig and validate_allocation belong in config/; they
     # are defined in scheduling/allocation.py, which is being rewritten elsewhere
     ("periodic_async.config.sections", "periodic_async.scheduling.allocation"),

@@ -108,7 +108,16 @@ def test_trace_is_valid_with_one_event_per_sample(run_dir, profiled):
     assert by_cat["generate"] == samples
     assert by_cat["train"] == micro
     assert by_cat["update_weights"] == by_cat["optimizer"] == by_cat["step"] == STEPS
-    assert by_cat["reward"] == STEPS * cfg["data"]["train_batch_size"]   # one scoring call per group
+    # one scoring call per poll of the rollout pool (the groups its results completed): together
+    # they score every group of every step exactly once
+    events = [json.loads(line) for line in open(os.path.join(run_dir, "timeline.jsonl"))]
+    scored = {}
+    for e in events:
+        if e["kind"] == "reward":
+            scored.setdefault(e["step"], []).extend(e["groups"])
+    assert sorted(scored) == list(range(1, STEPS + 1))
+    assert all(sorted(g) == list(range(cfg["data"]["train_batch_size"])) for g in scored.values()), scored
+    assert by_cat["reward"] == sum(1 for e in events if e["kind"] == "reward")
     gen_pids = {e["pid"] for e in xs if e["cat"] == "generate"}
     train_pids = {e["pid"] for e in xs if e["cat"] == "train"}
     assert gen_pids.isdisjoint(train_pids)

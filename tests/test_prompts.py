@@ -183,14 +183,14 @@ def test_trainer_renders_prompts_with_the_models_chat_template(tmp_path):
     try:
         tok = load_tokenizer(model_dir)
         records = list(trainer.planner.loader.records)
-        plan = trainer.planner.plan(1)
+        plan, _ = trainer.producer.batch(1)
         by_prompt = {tuple(_chat_ids(tok, [{"role": "system", "content": "0"},
                                            {"role": "user", "content": rec.prompt + "?"}])): rec for rec in records}
         for req in plan.requests:
             rec = by_prompt[tuple(req.prompt_ids)]
             assert tok.decode(req.prompt_ids) == f"?0,:{rec.prompt}?,*"
             assert plan.answers[req.group_index] == rec.answer
-        metrics = trainer.step(2)
+        metrics = trainer.step(1)
         assert metrics["data/overlong_prompts_skipped"] == 0 and metrics["data/overlong_prompts_truncated"] == 0
     finally:
         trainer.close()

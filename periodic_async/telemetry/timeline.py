@@ -6,8 +6,8 @@ One JSON object per line, every one with `step`, `kind`, `lane`, `start`, `end`:
 - generate (lane workerW/slotS): one per sample, from its admission to a slot to the end of the
   engine step that finished it; `worker`, `slot`, `group`, `sample`, `prompt_tokens`,
   `response_tokens`, `finish` (stop | length).
-- reward (lane trainer): one per Scorer.score call (a group in periodic / sync_split, the whole
-  batch in sync); `groups`, `items`. It runs on the producer thread, or in the trainer (sync).
+- reward (lane trainer): one per Scorer.rewards call: the requests one poll of the rollout pool
+  completed (a group or several); `groups`, `items`. It runs on the producer thread.
 - train (lane trainer): one per epoch-1 micro-step of trainer rank 0; `index`, `sequences`,
   `tokens` (prompt + response), `response_tokens`, `padded_tokens` (rows x longest row: what the
   unshared packing computes), `groups` (the groups whose samples it holds).
