@@ -186,8 +186,9 @@ def test_padding_micro_batches_carry_no_loss(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["rollout.pilot.enabled=true", "rollout.backfill.enabled=true"], "rollout.backfill.enabled: cannot be combined"),
     (["rollout.pilot.enabled=true", "rollout.pilot.n_pilot=4"], "rollout.pilot.n_pilot must be in [1, rollout.n - 1]"),
-    (["rollout.backfill.enabled=true", "rollout.group_sizing=sagc"], "rollout.backfill.enabled: the allocator works "
-                                                                     "with one group size"),
+    # the allocator takes each step's K from the sizer: every candidate must leave a commit
+    (["rollout.pilot.enabled=true", "rollout.group_sizing=sagc", "rollout.sagc.candidates=[2, 4]"],
+     "rollout.sagc.candidates: with K = 2: rollout.pilot.n_pilot must be in"),
     (["rollout.pilot.enabled=true", "rollout.pilot.budget=9"], "rollout.pilot.budget: 9 rollouts do not cover"),
 ])
 def test_bad_allocation_config_is_refused_naming_the_key(tmp_path, overrides, message):

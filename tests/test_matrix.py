@@ -8,12 +8,14 @@ Plug-ins: group sizing fixed | sagc, selection none | pilot | backfill, and the 
 attention on for the plain cells. Runs are tiny (3 steps of 8 prompts, the long_tail task, whose
 partial-credit rewards make pilots of every verdict and equal-reward groups for backfill).
 """
+import sys
+
 import pytest
 
 from periodic_async.config import ConfigError, load_config
 from periodic_async.train.trainer import Trainer
 
-from test_allocation_training import BASE, SWITCHES, _assert_same_training
+from test_allocation_training import BASE, LOSS_KEYS, SWITCHES, _assert_same_training, _decisions
 
 STEPS = 3
 MODES = {
@@ -92,3 +94,36 @@ def test_cell_trains_and_keeps_its_promise(mode, plugin, sync_reference, tmp_pat
 def test_refused_cell_says_why(mode, plugin, tmp_path):
     with pytest.raises(ConfigError, match="not supported with trainer.mode async and trainer.max_staleness > 0"):
         _cfg(tmp_path, mode, plugin).validate(world_size=1)
+
+
+# ---------------------------------------------------------------------- DP = 2 under torchrun
+# One cell of each mode with two trainer ranks (periodic's is in test_tri_model.py): the same
+# decisions as single-process sync with the same plug-ins, and its losses up to DP's summation order.
+DP2_CELLS = [("sync", "sagc-none"), ("sync_split", "fixed-backfill"), ("async0", "fixed-pilot"),
+             ("async2", "sagc-none")]
+
+
+@pytest.mark.parametrize("mode, plugin", DP2_CELLS, ids=[f"{m}-{p}" for m, p in DP2_CELLS])
+def test_dp2_cell_under_torchrun(mode, plugin, sync_reference, tmp_path):
+    from periodic_async.telemetry.logger import read_metrics
+    from test_tensor_parallel import _run_torchrun
+    run_dir = tmp_path / "dp2"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "periodic_async", "--config", "configs/long_tail.yaml", f"trainer.run_dir={run_dir}",
+           f"trainer.total_steps={STEPS}", *BASE, *MODES[mode], *PLUGINS[plugin]]
+    _run_torchrun(cmd, timeout=400)
+    par = read_metrics(str(run_dir))
+    assert [r["step"] for r in par] == list(range(1, STEPS + 1))
+    stale = [r["training/off_policy/trajectory_staleness/max"] for r in par]
+    if mode == "async2":
+        assert max(stale) <= 2, stale
+        return
+    assert max(stale) == 0, stale
+    ref_history, _ = sync_reference(plugin)
+    for step, (p, r) in enumerate(zip(par, ref_history), 1):
+        p, r = dict(p), dict(r)
+        # summed in arrival order
+        assert p.pop("alloc/score_all/mean", 0.0) == pytest.approx(r.pop("alloc/score_all/mean", 0.0), rel=1e-12)
+        assert _decisions(p) == _decisions(r) and _sagc(p) == _sagc(r), f"step {step}: decided differently"
+        for k in LOSS_KEYS:
+            assert p[k] == pytest.approx(r[k], rel=1e-4, abs=2e-5), f"step {step} {k}: {p[k]} vs {r[k]}"

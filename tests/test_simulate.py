@@ -100,7 +100,11 @@ def test_dispatch_and_dp_assignment_follow_the_real_code():
     from periodic_async.train import step
     sizes = {0: 8, 1: 4, 2: 8, 3: 2, 4: 6}
     assert replay.assign_groups is step.assign_groups      # the trainer's own rule, not a copy
-    assert replay.micro_batch_due is step.micro_batch_due  # when a rank packs: the trainer's rule
+    from periodic_async.scheduling import dp_assignment
+    # when a rank packs: the trainer's rule (train/step.py cuts with cut_micro_batches, which
+    # decides with micro_batch_due)
+    assert step.cut_micro_batches is dp_assignment.cut_micro_batches
+    assert replay.micro_batch_due is dp_assignment.micro_batch_due
     assert replay.least_loaded_worker is worker.least_loaded_worker    # the rollout pool's rule
     reqs = [[Sample(g, k, 3, 2) for k in range(n)] for g, n in sizes.items()]
     per_engine = replay.dispatch(reqs, 2)
