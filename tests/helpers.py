@@ -265,6 +265,29 @@ def tri_model_quantities(model_dir: str, ref_dir: str | None = None, shared_prom
     return out
 
 
+# ---------------------------------------------------------------------- reference paths
+
+
+def generate_reference(engine, requests):
+    """What an HFRolloutEngine (rollout/hf_engine.py) generates for `requests`, the slow, simple
+    way: `reference_generate`, one sequence at a time, with the engine's model and policy version."""
+    from periodic_async.rollout.base import RolloutResult
+    from periodic_async.rollout.hf_engine import reference_generate
+    out = []
+    for r in requests:
+        for k in r.samples():
+            ids, lps, reason = reference_generate(engine.model, r, k, engine.eos_token_id)
+            out.append(RolloutResult(r.group_index, k, list(r.prompt_ids), ids, lps, reason, engine.policy_version))
+    return out
+
+
+def score(scorer, groups, stats) -> None:
+    """Fill each group's rewards and advantages with a Scorer (scheduling/scorer.py), as the
+    producer does in two calls; add the time and error counts to `stats` (a RolloutStats)."""
+    scorer.rewards(groups, stats)
+    scorer.advantages(groups)
+
+
 # ---------------------------------------------------------------------- fault injection
 
 

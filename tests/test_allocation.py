@@ -1,4 +1,4 @@
-"""Pilot-commit allocation, in-batch backfill and the replay buffer, without models or torch.
+"""Pilot-commit allocation, in-batch backfill and the prompt reserve, without models or torch.
 
 A tiny driver plays the producer: it dispatches the allocator's requests, delivers each one's
 rewards in an order chosen by a seeded RNG, and dispatches whatever on_group asks for next.
@@ -12,14 +12,24 @@ import pytest
 
 from periodic_async.data.dataset import PromptLoader
 from periodic_async.data.records import PromptRecord
-from periodic_async.scheduling.allocation import (COMMIT, FULL, PILOT, Allocator, BackfillConfig, Candidate,
-                                                  PilotConfig, classify, draw_from_loader, group_parts,
-                                                  threshold_fraction, validate_allocation)
-from periodic_async.scheduling.replay_buffer import ReplayBuffer
+from periodic_async.config.allocation import (BackfillConfig, PilotConfig, classify, threshold_fraction,
+                                              validate_allocation)
+from periodic_async.scheduling.allocation import COMMIT, FULL, PILOT, Allocator, Candidate, group_parts
+from periodic_async.scheduling.prompt_reserve import PromptReserve
 
 
 def _records(n):
     return [PromptRecord(f"{i}=", str(i), i) for i in range(n)]
+
+
+def draw_from_loader(loader, key=lambda record: record.index):
+    """A `draw` over a PromptLoader: its next record, tagged with the epoch it came from (read
+    before the draw: the loader moves to the next epoch after an epoch's last record)."""
+    def draw() -> Candidate:
+        epoch = loader.epoch
+        (record,) = loader.next_batch(1)
+        return Candidate(key(record), epoch)
+    return draw
 
 
 def _draw_list(keys, epoch=0):
@@ -43,8 +53,9 @@ def _run_step(alloc, step, draw, reward, order_seed=None):
         ready += out.ready
         done = out.done
     assert done and alloc.outstanding == 0
-    assert sorted(g.slot for g in ready) == [g.slot for g in alloc.trainable(step)]
-    return dispatched, alloc.trainable(step), alloc.end_step(step)
+    metrics = alloc.end_step(step)
+    assert metrics.get("alloc/trainable_groups", len(ready)) == len(ready)
+    return dispatched, sorted(ready, key=lambda g: g.slot), metrics
 
 
 def _pilot(**kw):
@@ -60,10 +71,10 @@ def test_every_switch_off_is_the_identity():
         (0, 7, FULL, 4, (0, 1, 2, 3)), (1, 2, FULL, 4, (0, 1, 2, 3)), (2, 9, FULL, 4, (0, 1, 2, 3))]
     zero_variance = alloc.on_group(0, 1, FULL, [0.0, 0.0, 0.0, 0.0])
     assert zero_variance.requests == [] and [g.slot for g in zero_variance.ready] == [1]
-    alloc.on_group(0, 2, FULL, [1.0, 0.0, 1.0, 1.0])
+    middle = alloc.on_group(0, 2, FULL, [1.0, 0.0, 1.0, 1.0])
     last = alloc.on_group(0, 0, FULL, [0.5, 0.5, 0.0, 1.0])
     assert last.done and last.requests == []
-    groups = alloc.trainable(0)
+    groups = sorted(zero_variance.ready + middle.ready + last.ready, key=lambda g: g.slot)
     assert [(g.slot, g.key, g.group_size, g.rewards) for g in groups] == [
         (0, 7, 4, (0.5, 0.5, 0.0, 1.0)), (1, 2, 4, (0.0, 0.0, 0.0, 0.0)), (2, 9, 4, (1.0, 0.0, 1.0, 1.0))]
     assert all(len(g.parts) == 1 and g.parts[0].phase == FULL for g in groups)
@@ -173,8 +184,8 @@ def test_a_replayed_key_drawn_again_by_the_loader_leaves_the_buffer():
     assert metrics["pilot/replayed"] == 0 and metrics["pilot/rollouts"] == 5
 
 
-def test_replay_buffer_age_order_and_state():
-    buf = ReplayBuffer(max_age=2)
+def test_prompt_reserve_age_order_and_state():
+    buf = PromptReserve(max_age=2)
     buf.add("a", 3)
     buf.add("b", 4)
     buf.add("a", 5)                                  # re-added: refreshed and moved to the back
@@ -184,7 +195,7 @@ def test_replay_buffer_age_order_and_state():
     assert buf.expire(7) == 0 and len(buf) == 2      # age 2 == max_age: kept
     assert buf.expire(8) == 2 and len(buf) == 0      # age 3 > max_age: gone
     buf.add((1, "x"), 9)
-    restored = ReplayBuffer(max_age=2)
+    restored = PromptReserve(max_age=2)
     restored.load_state_dict(json.loads(json.dumps(buf.state_dict())))
     assert restored.entries() == [((1, "x"), 9)]
 

@@ -34,10 +34,6 @@ LAYERS = [
 KNOWN_UPWARD = {
     # to be removed: the worker should take the staleness rule's decision as a value (rollout/worker.py)
     ("periodic_async.rollout.worker", "periodic_async.scheduling.staleness"),
-    # to be removed: PilotConfig / BackfillConfig and validate_allocation belong in config/; they
-    # are defined in scheduling/allocation.py, which is being rewritten elsewhere
-    ("periodic_async.config.sections", "periodic_async.scheduling.allocation"),
-    ("periodic_async.config.validation", "periodic_async.scheduling.allocation"),
 }
 KNOWN_CYCLES = {
     # to be removed: the relay (remote.py) runs a worker; the pool (worker.py) imports the relay's

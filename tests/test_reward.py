@@ -256,6 +256,7 @@ def test_scorer_counts_each_fault_and_summarises_the_step_in_one_line(reward_fil
     from periodic_async.rollout.base import RolloutResult
     from periodic_async.scheduling.group import Group
     from periodic_async.scheduling.producer import RolloutStats
+    from helpers import score
     from periodic_async.scheduling.scorer import Scorer, reward_fault_summary
 
     def group(index: int, responses: list[str]) -> Group:
@@ -269,7 +270,7 @@ def test_scorer_counts_each_fault_and_summarises_the_step_in_one_line(reward_fil
         groups = [group(0, ["a", "raise", "b", "nan"]), group(1, ["sleep", "text", "a", "raise"]),
                   group(2, ["a", "b", "c", "a"])]
         for g in groups:
-            scorer.score([g], stats)
+            score(scorer, [g], stats)
     assert [g.rewards for g in groups] == [[1.0, 0.0, 0.25, 0.0], [0.0, 0.0, 1.0, 0.0], [1.0, 0.25, 0.25, 1.0]]
     assert (stats.num_errors, stats.num_timeouts, stats.num_invalid) == (2, 1, 2)
     summary = reward_fault_summary(stats, num_items=12)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..scheduling.allocation import BackfillConfig, PilotConfig   # torch-free
+from .allocation import BackfillConfig, PilotConfig   # torch-free
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from ..errors import ConfigError
 from ..netaddr import split_address
+from .allocation import validate_allocation
 
 if TYPE_CHECKING:   # sections.py imports this module (Config.validate)
     from .sections import Config
@@ -152,7 +153,6 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
         validate_sagc(cfg.rollout.sagc, cfg.rollout.n)
     allocating = cfg.rollout.pilot.enabled or cfg.rollout.backfill.enabled
     if allocating:
-        from periodic_async.scheduling.allocation import validate_allocation  # torch-free
         try:
             validate_allocation(cfg.rollout.pilot, cfg.rollout.backfill, cfg.data.train_batch_size, cfg.rollout.n)
         except ConfigError:

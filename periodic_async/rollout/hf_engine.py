@@ -506,12 +506,3 @@ class HFRolloutEngine(RolloutEngine):
                              policy_version=versions[0] if versions else self.policy_version,
                              timings={"start": seq.t_start, "end": t_end, "slot": seq.slot},
                              token_versions=list(versions) if mixed else None)
-
-    def generate_reference(self, requests: list[RolloutRequest]) -> list[RolloutResult]:
-        """`generate` the slow, simple way (`reference_generate`, one sequence at a time), for tests."""
-        out = []
-        for r in requests:
-            for k in r.samples():
-                ids, lps, reason = reference_generate(self.model, r, k, self.eos_token_id)
-                out.append(RolloutResult(r.group_index, k, list(r.prompt_ids), ids, lps, reason, self.policy_version))
-        return out

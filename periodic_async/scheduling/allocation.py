@@ -17,14 +17,14 @@ decides, with both bounds inclusive on the side that drops the prompt:
 - otherwise: it passed. The first passers in slot order, as many as the step's remaining budget
   and its B groups allow, are committed: K - n_pilot more rollouts (sample indices n_pilot..K-1
   of the same slot and seed), and pilot + commit form the group trained on. The other passers are
-  surplus and go to the replay buffer (replay_buffer.py).
+  surplus and go to the prompt reserve (prompt_reserve.py: prompt keys only; the config key
+  replay_max_age and the `pilot/replay_*` metrics call it the replay buffer).
 
-The thresholds are compared exactly on counts: s * den >= num * n_pilot with p_upper = num / den.
-A float threshold is read as the nearest fraction with denominator at most 10**6, so 1/3 written
-as 0.3333333333333333 (or passed as the string "1/3" or a Fraction) is exactly one third.
+The thresholds are compared exactly on counts (config/allocation.py: `classify`,
+`threshold_fraction`).
 
 When the first round of pilots is resolved and fewer than B prompts were committed, the step runs
-fill rounds from the replay buffer (oldest entry first, entries older than replay_max_age steps
+fill rounds from the prompt reserve (oldest entry first, entries older than replay_max_age steps
 discarded at the start of each step): each replayed prompt gets a fresh pilot (and a commit if it
 passes again) under the current policy, and is admitted only while a full K still fits the budget.
 Every rollout of the step - pilots, commits and fills - fits `budget` (default B * K); the number
@@ -48,10 +48,11 @@ rollouts in `sync` and in `periodic` with shuffled arrival.
 The producer's contract:
 
 1. `requests = alloc.begin_step(step, draw)`: `draw()` returns the loader's next prompt as
-   `Candidate(key, epoch)` (the loader's epoch the record was served from; `draw_from_loader`
-   builds one from a PromptLoader), or None when there is none. The allocator draws what it needs
-   now and, for backfill, later during the step, so nothing else may use the loader meanwhile.
-   An empty list (every prompt solved, the replay buffer empty) means the step is already done.
+   `Candidate(key, epoch)` (the loader's epoch the record was served from, read before the draw:
+   the loader moves to the next epoch after an epoch's last record), or None when there is none.
+   The allocator draws what it needs now and, for backfill, later during the step, so nothing
+   else may use the loader meanwhile.
+   An empty list (every prompt solved, the prompt reserve empty) means the step is already done.
 2. Dispatch each `AllocRequest` as `RolloutRequest(group_index=req.slot, prompt_ids=<of req.key>,
    n=req.group_size, sampling, seed=request_seed(seed, step, req.slot),
    sample_indices=list(req.sample_indices))`.
@@ -65,8 +66,7 @@ The producer's contract:
    missing samples of the same request, and on_group is called once they are all in. A second
    delivery of a (slot, phase) with the same rewards is ignored (counted in `alloc/duplicates`);
    with different rewards, or for a (slot, phase) never requested, on_group raises RuntimeError.
-4. `alloc.end_step(step)` (after `done`) returns the step's metrics; `alloc.trainable(step)`
-   lists every group trained in the step, in slot order.
+4. `alloc.end_step(step)` (after `done`) returns the step's metrics.
 5. `state_dict()` / `load_state_dict()` between steps, saved with the loader's state.
 
 Metrics of `end_step` (counts per step; `alloc.totals` sums them over the run): pilot on -
@@ -84,252 +84,27 @@ every group trainable, no metrics - the behaviour of BatchPlanner alone.
 """
 from __future__ import annotations
 
-import math
 import threading
-from dataclasses import dataclass, field
-from fractions import Fraction
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Optional
 
-from .replay_buffer import PromptKey, ReplayBuffer, key_from_json
-
-FULL, PILOT, COMMIT = "full", "pilot", "commit"
-
-_THRESHOLD_MAX_DENOMINATOR = 10 ** 6
-
-
-# ---------------------------------------------------------------- configuration
-
-@dataclass
-class PilotConfig:
-    """rollout.pilot: pilot-commit allocation (see the module docstring)."""
-    enabled: bool = False
-    n_pilot: int = 2                      # pilot rollouts per prompt; commit = K - n_pilot
-    p_lower: float = 0.0                  # p <= p_lower: deferred to the next epoch
-    p_upper: float = 1.0                  # p >= p_upper: solved, never sampled again
-    success_threshold: float = 1.0        # a rollout succeeds when its reward >= this
-    replay_max_age: int = 4               # steps a surplus prompt may wait in the replay buffer
-    budget: Optional[int] = None          # rollouts per step, every phase; None: B * K
-    num_candidates: Optional[int] = None  # prompts piloted in a step's first round; None: B
-
-    def resolved_budget(self, batch_size: int, group_size: int) -> int:
-        return self.budget if self.budget is not None else batch_size * group_size
-
-    def resolved_candidates(self, batch_size: int) -> int:
-        return self.num_candidates if self.num_candidates is not None else batch_size
-
-    def validate(self, batch_size: int, group_size: int) -> None:
-        """Raise ValueError naming the key; nothing is checked while the pilot is off."""
-        if not self.enabled:
-            return
-        if group_size < 2:
-            raise ValueError(f"rollout.n must be >= 2 with rollout.pilot.enabled, got {group_size}")
-        if not 1 <= self.n_pilot < group_size:
-            raise ValueError(f"rollout.pilot.n_pilot must be in [1, rollout.n - 1] = [1, {group_size - 1}] so that "
-                             f"a commit of at least one rollout follows, got {self.n_pilot}")
-        lower = threshold_fraction(self.p_lower, "rollout.pilot.p_lower")
-        upper = threshold_fraction(self.p_upper, "rollout.pilot.p_upper")
-        if not 0 <= lower <= 1:
-            raise ValueError(f"rollout.pilot.p_lower must be in [0, 1], got {self.p_lower}")
-        if not 0 <= upper <= 1:
-            raise ValueError(f"rollout.pilot.p_upper must be in [0, 1], got {self.p_upper}")
-        if lower > upper:
-            raise ValueError(f"rollout.pilot.p_lower must be <= p_upper, got p_lower={self.p_lower} "
-                             f"> p_upper={self.p_upper}")
-        if not any(classify(s, self.n_pilot, lower, upper) == "passed" for s in range(self.n_pilot + 1)):
-            raise ValueError(f"rollout.pilot.p_lower / p_upper: no success count s of n_pilot={self.n_pilot} has "
-                             f"p_lower={self.p_lower} < s/{self.n_pilot} < p_upper={self.p_upper}, so no prompt "
-                             f"would ever be committed")
-        if not math.isfinite(self.success_threshold):
-            raise ValueError(f"rollout.pilot.success_threshold must be a finite number, got {self.success_threshold}")
-        if self.replay_max_age < 0:
-            raise ValueError(f"rollout.pilot.replay_max_age must be >= 0 steps, got {self.replay_max_age}")
-        if self.budget is not None and self.budget < 1:
-            raise ValueError(f"rollout.pilot.budget must be >= 1 rollouts (or null: B * K), got {self.budget}")
-        if self.num_candidates is not None and self.num_candidates < 1:
-            raise ValueError(f"rollout.pilot.num_candidates must be >= 1 (or null: B), got {self.num_candidates}")
-        budget = self.resolved_budget(batch_size, group_size)
-        pilots = self.resolved_candidates(batch_size) * self.n_pilot
-        if pilots + (group_size - self.n_pilot) > budget:
-            raise ValueError(f"rollout.pilot.budget: {budget} rollouts do not cover the pilots of "
-                             f"num_candidates={self.resolved_candidates(batch_size)} x n_pilot={self.n_pilot} "
-                             f"plus one commit of {group_size - self.n_pilot}")
+# the configuration and the threshold arithmetic live in the config layer; re-exported here
+from ..config.allocation import (BackfillConfig, PilotConfig, classify, threshold_fraction,  # noqa: F401
+                                 validate_allocation)
+from .alloc_types import (BACKFILL_COUNTERS, COMMIT, DROPPED, FULL, PILOT, PILOT_COUNTERS, TRAINED,  # noqa: F401
+                          AllocRequest, Candidate, Draw, Outcome, SlotState, StepState, TrainableGroup, group_parts,
+                          is_zero_variance)
+from .pilot_commit import PilotCommit
+from .prompt_reserve import PromptKey, PromptReserve, key_from_json
 
 
-@dataclass
-class BackfillConfig:
-    """rollout.backfill: in-batch replacement of zero-variance groups (see the module docstring)."""
-    enabled: bool = False
-    max_groups: Optional[int] = None      # extra groups drawn per step at most; None: B
-
-    def resolved_max_groups(self, batch_size: int) -> int:
-        return self.max_groups if self.max_groups is not None else batch_size
-
-    def validate(self, batch_size: int) -> None:
-        if self.enabled and self.max_groups is not None and self.max_groups < 0:
-            raise ValueError(f"rollout.backfill.max_groups must be >= 0 (or null: B), got {self.max_groups}")
-
-
-def validate_allocation(pilot: PilotConfig, backfill: BackfillConfig, batch_size: int, group_size: int) -> None:
-    """Both sections and their combination; raises ValueError naming the key."""
-    if batch_size < 1:
-        raise ValueError(f"data.train_batch_size must be >= 1, got {batch_size}")
-    pilot.validate(batch_size, group_size)
-    backfill.validate(batch_size)
-    if pilot.enabled and backfill.enabled:
-        raise ValueError("rollout.backfill.enabled: cannot be combined with rollout.pilot.enabled - a committed "
-                         "pilot holds a success and a failure, so its groups always have varying rewards and "
-                         "backfill would never act; enable one of the two")
-
-
-def threshold_fraction(value: Any, key: str = "threshold") -> Fraction:
-    """A rate threshold as an exact fraction: a Fraction or int as it is, a string such as "1/3"
-    parsed exactly, a float as the nearest fraction with denominator <= 10**6 (so the float 1/3 is
-    exactly one third and 0.25 is 1/4)."""
-    if isinstance(value, bool):
-        raise ValueError(f"{key} must be a number or a fraction string, got {value!r}")
-    try:
-        if isinstance(value, (Fraction, int)):
-            return Fraction(value)
-        if isinstance(value, str):
-            return Fraction(value.strip())
-        if isinstance(value, float) and math.isfinite(value):
-            return Fraction(value).limit_denominator(_THRESHOLD_MAX_DENOMINATOR)
-    except (ValueError, ZeroDivisionError):
-        pass
-    raise ValueError(f"{key} must be a finite number or a fraction string such as '1/3', got {value!r}")
-
-
-def classify(successes: int, n: int, p_lower: Fraction, p_upper: Fraction) -> str:
-    """'solved' if s/n >= p_upper, else 'deferred' if s/n <= p_lower, else 'passed' - compared on
-    integers, s * den vs num * n, so a rate equal to a bound is exactly on it."""
-    if successes * p_upper.denominator >= p_upper.numerator * n:
-        return "solved"
-    if successes * p_lower.denominator <= p_lower.numerator * n:
-        return "deferred"
-    return "passed"
-
-
-# ---------------------------------------------------------------- requests and groups
-
-class Candidate(NamedTuple):
-    """A prompt drawn from the loader, with the loader epoch it was served from."""
-    key: PromptKey
-    epoch: int
-
-
-Draw = Callable[[], Optional[Candidate]]
-
-
-def draw_from_loader(loader, key: Callable = lambda record: record.index) -> Draw:
-    """A `draw` over a PromptLoader (data/dataset.py): its next record, tagged with the epoch it
-    came from (read before the draw: the loader moves to the next epoch after an epoch's last
-    record). Prompts that must be left out (over-long ones) are the caller's to skip."""
-    def draw() -> Candidate:
-        epoch = loader.epoch
-        (record,) = loader.next_batch(1)
-        return Candidate(key(record), epoch)
-    return draw
-
-
-@dataclass(frozen=True)
-class AllocRequest:
-    """One request to dispatch: the samples `sample_indices` of the group of size `group_size` in
-    slot `slot` (the RolloutRequest's group_index, which also fixes its seed), for prompt `key`."""
-    slot: int
-    key: PromptKey
-    phase: str
-    group_size: int
-    sample_indices: tuple[int, ...]
-
-    @property
-    def num_samples(self) -> int:
-        return len(self.sample_indices)
-
-
-@dataclass(frozen=True)
-class TrainableGroup:
-    """A group to train on: the outputs of `parts` merged, `group_size` responses in sample-index
-    order, with `rewards` in that order."""
-    slot: int
-    key: PromptKey
-    group_size: int
-    parts: tuple[AllocRequest, ...]
-    rewards: tuple[float, ...]
-
-
-@dataclass
-class Outcome:
-    """What on_group asks of the producer: more requests to dispatch, groups ready to train, and
-    whether the step has anything outstanding left."""
-    requests: list[AllocRequest] = field(default_factory=list)
-    ready: list[TrainableGroup] = field(default_factory=list)
-    done: bool = False
-
-
-def group_parts(group_size: int, n_pilot: Optional[int] = None) -> list[tuple[str, tuple[int, ...]]]:
-    """The (phase, sample indices) whose outputs form one training group of `group_size`: one full
-    part without a pilot, else the pilot's first n_pilot samples and the commit's rest."""
-    if n_pilot is None:
-        return [(FULL, tuple(range(group_size)))]
-    if not 1 <= n_pilot < group_size:
-        raise ValueError(f"n_pilot must be in [1, {group_size - 1}], got {n_pilot}")
-    return [(PILOT, tuple(range(n_pilot))), (COMMIT, tuple(range(n_pilot, group_size)))]
-
-
-def is_zero_variance(rewards) -> bool:
-    """All rewards equal: every GRPO advantage of the group is zero."""
-    return len(rewards) > 0 and max(rewards) == min(rewards)
-
-
-# ---------------------------------------------------------------- the allocator
-
-_PENDING, _PASSED, _COMMITTED, _SURPLUS, _SOLVED, _DEFERRED, _TRAINED, _DROPPED = (
-    "pending", "passed", "committed", "surplus", "solved", "deferred", "trained", "dropped")
-
-_PILOT_COUNTERS = ("pilot/piloted", "pilot/committed", "pilot/solved_dropped", "pilot/deferred",
-                   "pilot/readmitted", "pilot/replay_added", "pilot/replayed", "pilot/replay_expired",
-                   "pilot/rollouts")
-_BACKFILL_COUNTERS = ("rollout/backfilled", "rollout/zero_variance_groups", "rollout/backfill_unreplaced",
-                      "rollout/rollouts")
-
-
-@dataclass
-class _Slot:
-    key: PromptKey
-    epoch: int
-    status: str = _PENDING
-    requests: dict[str, AllocRequest] = field(default_factory=dict)
-    rewards: dict[str, tuple[float, ...]] = field(default_factory=dict)
-    pilot_std: Optional[float] = None
-
-
-@dataclass
-class _Round:
-    slots: list[int]
-    commit_slots: int                     # passers of this round that may be committed
-
-
-@dataclass
-class _StepState:
-    step: int
-    draw: Draw
-    slots: dict[int, _Slot] = field(default_factory=dict)
-    outstanding: set = field(default_factory=set)          # (slot, phase) requested, not delivered
-    rounds: list[_Round] = field(default_factory=list)
-    counts: dict[str, int] = field(default_factory=dict)
-    committed: int = 0
-    spent: int = 0
-    group_size: int = 0         # K of this step (a group sizer may change it from step to step)
-    budget: int = 0             # rollouts this step may spend
-
-
-class Allocator:
+class Allocator(PilotCommit):
     """Per-run allocation state and the per-step decisions (see the module docstring).
 
     `num_prompts` (the dataset size) bounds the draws: after 2 * num_prompts + 1 refused draws in a
     row (solved, or deferred in the loader's current epoch) every prompt is solved, and the step
     goes on with fewer prompts instead of drawing forever. Thread-safe: begin_step / end_step run
-    on the trainer's thread, on_group on the producer's.
+    on the trainer's thread, on_group on the producer's. The pilot-commit rounds are its base
+    `PilotCommit` (pilot_commit.py); the backfill of zero-variance groups is `_on_full` here.
     """
 
     def __init__(self, pilot: PilotConfig, backfill: BackfillConfig, batch_size: int, group_size: int,
@@ -345,11 +120,10 @@ class Allocator:
         self.budget = self.budget_for(group_size)
         self._solved: dict[PromptKey, None] = {}            # an insertion-ordered set
         self._deferred: dict[PromptKey, int] = {}           # key -> loader epoch it was deferred in
-        self.replay = ReplayBuffer(pilot.replay_max_age)
+        self.replay = PromptReserve(pilot.replay_max_age)     # prompt keys only (prompt_reserve.py)
         self._epoch = 0                                      # the latest loader epoch a draw came from
         self.totals: dict[str, int] = {}
-        self._state: Optional[_StepState] = None
-        self._trained: dict[int, list[TrainableGroup]] = {}
+        self._state: Optional[StepState] = None
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ queries
@@ -402,9 +176,8 @@ class Allocator:
             if self.pilot.enabled and not 1 <= self.pilot.n_pilot < k:
                 raise ValueError(f"step {step}: group size {k} leaves no commit after rollout.pilot.n_pilot="
                                  f"{self.pilot.n_pilot} pilots")
-            st = self._state = _StepState(step, draw, group_size=k, budget=self.budget_for(k))
-            st.counts = dict.fromkeys(_PILOT_COUNTERS if self.pilot.enabled else _BACKFILL_COUNTERS, 0)
-            self._trained[step] = []
+            st = self._state = StepState(step, draw, group_size=k, budget=self.budget_for(k))
+            st.counts = dict.fromkeys(PILOT_COUNTERS if self.pilot.enabled else BACKFILL_COUNTERS, 0)
             if not self.pilot.enabled:
                 return [self._request(st, self._new_slot(st, c), FULL) for c in self._draw(st, self.batch_size)]
             st.counts["pilot/replay_expired"] += self.replay.expire(step)
@@ -447,12 +220,6 @@ class Allocator:
             out.done = not st.outstanding
             return out
 
-    def trainable(self, step: int) -> list[TrainableGroup]:
-        """The groups to train on of the current or the last ended step so far, in slot order (all
-        of them once `done`)."""
-        with self._lock:
-            return sorted(self._trained.get(step, []), key=lambda g: g.slot)
-
     def end_step(self, step: int) -> dict[str, float]:
         """Close the step (nothing may be outstanding) and return its metrics ({} with both
         switches off)."""
@@ -463,22 +230,14 @@ class Allocator:
             if st.outstanding:
                 raise RuntimeError(f"Allocator.end_step({step}): {len(st.outstanding)} requests still outstanding")
             self._state = None
-            self._trained = {step: self._trained.get(step, [])}
             for k, v in st.counts.items():
                 self.totals[k] = self.totals.get(k, 0) + v
             if not (self.pilot.enabled or self.backfill.enabled):
                 return {}
             metrics: dict[str, float] = {k: float(v) for k, v in st.counts.items()}
-            metrics["alloc/trainable_groups"] = float(len(self._trained[step]))
+            metrics["alloc/trainable_groups"] = float(st.trainable)
             if self.pilot.enabled:
-                piloted = st.counts["pilot/piloted"]
-                metrics["pilot/selected_ratio"] = st.counts["pilot/committed"] / piloted if piloted else 0.0
-                metrics["pilot/replay_size"] = float(len(self.replay))
-                stds = [s.pilot_std for _, s in sorted(st.slots.items()) if s.pilot_std is not None]
-                metrics["pilot/reward_std"] = sum(stds) / len(stds) if stds else 0.0
-                metrics["pilot/budget"] = float(st.budget)
-                metrics["pilot/solved_total"] = float(len(self._solved))
-                metrics["pilot/deferred_pending"] = float(len(self._deferred))
+                metrics.update(self._pilot_metrics(st))
             return metrics
 
     # ------------------------------------------------------------ state
@@ -505,8 +264,8 @@ class Allocator:
 
     # ------------------------------------------------------------ internals
 
-    def _draw(self, st: _StepState, n: int) -> list[Candidate]:
-        """Up to n admissible candidates from `draw`; a key drawn again leaves the replay buffer (it
+    def _draw(self, st: StepState, n: int) -> list[Candidate]:
+        """Up to n admissible candidates from `draw`; a key drawn again leaves the prompt reserve (it
         is piloted now) and, drawn in a later epoch than its deferral, the deferred set."""
         taken: list[Candidate] = []
         refused_in_a_row = 0
@@ -527,12 +286,12 @@ class Allocator:
             taken.append(candidate)
         return taken
 
-    def _new_slot(self, st: _StepState, candidate: Candidate) -> int:
+    def _new_slot(self, st: StepState, candidate: Candidate) -> int:
         slot = len(st.slots)
-        st.slots[slot] = _Slot(candidate.key, candidate.epoch)
+        st.slots[slot] = SlotState(candidate.key, candidate.epoch)
         return slot
 
-    def _request(self, st: _StepState, slot: int, phase: str) -> AllocRequest:
+    def _request(self, st: StepState, slot: int, phase: str) -> AllocRequest:
         parts = dict(group_parts(st.group_size, self.pilot.n_pilot if self.pilot.enabled else None))
         req = AllocRequest(slot, st.slots[slot].key, phase, st.group_size, parts[phase])
         if st.spent + req.num_samples > st.budget:
@@ -543,19 +302,19 @@ class Allocator:
         st.outstanding.add((slot, phase))
         return req
 
-    def _ready(self, st: _StepState, slot: int, s: _Slot, phases: tuple[str, ...]) -> TrainableGroup:
-        s.status = _TRAINED
+    def _ready(self, st: StepState, slot: int, s: SlotState, phases: tuple[str, ...]) -> TrainableGroup:
+        s.status = TRAINED
         group = TrainableGroup(slot, s.key, st.group_size, tuple(s.requests[p] for p in phases),
                                tuple(r for p in phases for r in s.rewards[p]))
-        self._trained[st.step].append(group)
+        st.trainable += 1
         return group
 
-    # full groups and backfill
+    # full groups and backfill (pilot-commit: PilotCommit, pilot_commit.py)
 
-    def _on_full(self, st: _StepState, slot: int, s: _Slot) -> Outcome:
+    def _on_full(self, st: StepState, slot: int, s: SlotState) -> Outcome:
         if not (self.backfill.enabled and is_zero_variance(s.rewards[FULL])):
             return Outcome(ready=[self._ready(st, slot, s, (FULL,))])
-        s.status = _DROPPED
+        s.status = DROPPED
         st.counts["rollout/zero_variance_groups"] += 1
         if st.counts["rollout/backfilled"] < self.backfill.resolved_max_groups(self.batch_size):
             fresh = self._draw(st, 1)
@@ -564,76 +323,6 @@ class Allocator:
                 return Outcome(requests=[self._request(st, self._new_slot(st, fresh[0]), FULL)])
         st.counts["rollout/backfill_unreplaced"] += 1
         return Outcome()
-
-    # pilot-commit
-
-    def _start_round(self, st: _StepState, slots: list[int]) -> list[AllocRequest]:
-        requests = [self._request(st, slot, PILOT) for slot in slots]
-        n_commit = st.group_size - self.pilot.n_pilot
-        room = min(self.batch_size - st.committed, (st.budget - st.spent) // n_commit)
-        st.rounds.append(_Round(slots, max(room, 0)))
-        st.counts["pilot/piloted"] += len(slots)
-        return requests
-
-    def _on_pilot(self, st: _StepState, s: _Slot, rewards: tuple[float, ...]) -> None:
-        successes = sum(1 for r in rewards if r >= self.pilot.success_threshold)
-        mean = sum(rewards) / len(rewards)
-        s.pilot_std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
-        verdict = classify(successes, len(rewards), self._p_lower, self._p_upper)
-        if verdict == "solved":
-            s.status = _SOLVED
-            st.counts["pilot/solved_dropped"] += 1
-            self._solved[s.key] = None
-            self._deferred.pop(s.key, None)
-            self.replay.discard(s.key)
-        elif verdict == "deferred":
-            s.status = _DEFERRED
-            st.counts["pilot/deferred"] += 1
-            if s.key not in self._solved:
-                self._deferred[s.key] = max(s.epoch, self._deferred.get(s.key, s.epoch))
-            self.replay.discard(s.key)
-        else:
-            s.status = _PASSED
-
-    def _advance(self, st: _StepState) -> Outcome:
-        """Commit the passers of the current round that are certain to be among its first
-        `commit_slots` in slot order; once the round is resolved, put its other passers into the
-        replay buffer in slot order and start a fill round from the replay buffer."""
-        out = Outcome()
-        while st.rounds:
-            current = st.rounds[-1]
-            passed_before = unresolved_before = 0
-            for slot in current.slots:
-                s = st.slots[slot]
-                if s.status == _PENDING:
-                    unresolved_before += 1
-                    continue
-                if s.status in (_SOLVED, _DEFERRED):
-                    continue
-                if s.status == _PASSED:
-                    if passed_before + unresolved_before < current.commit_slots:
-                        s.status = _COMMITTED
-                        st.committed += 1
-                        st.counts["pilot/committed"] += 1
-                        out.requests.append(self._request(st, slot, COMMIT))
-                    elif passed_before >= current.commit_slots:
-                        s.status = _SURPLUS
-                passed_before += 1
-            if unresolved_before:
-                return out
-            for slot in current.slots:
-                key = st.slots[slot].key
-                if st.slots[slot].status == _SURPLUS and key not in self._solved and key not in self._deferred:
-                    self.replay.add(key, st.step)
-                    st.counts["pilot/replay_added"] += 1
-            fill = min(self.batch_size - st.committed, (st.budget - st.spent) // st.group_size,
-                       self.replay.available(st.step))
-            if fill <= 0:
-                return out
-            keys = self.replay.take(fill, st.step)
-            st.counts["pilot/replayed"] += len(keys)
-            out.requests += self._start_round(st, [self._new_slot(st, Candidate(k, self._epoch)) for k in keys])
-        return out
 
 
 def _sorted_keys(keys) -> list:

@@ -16,7 +16,8 @@ from typing import Callable
 
 from ..data.records import DatasetError
 from ..rollout.base import RolloutRequest, RolloutResult, SamplingParams
-from .allocation import Allocator, AllocRequest, Candidate
+from .alloc_types import AllocRequest, Candidate
+from .allocation import Allocator
 from .group import Group
 from .group_sizing import FixedGroupSize, prompt_key
 
@@ -126,7 +127,7 @@ class AllocatedPlan(BatchPlan):
         return more, ready
 
     def _phase_of(self, request: RolloutRequest) -> str:
-        from .allocation import COMMIT, FULL, PILOT
+        from .alloc_types import COMMIT, FULL, PILOT
         if not self.allocator.pilot.enabled:
             return FULL
         return PILOT if min(request.samples()) < self.allocator.pilot.n_pilot else COMMIT

@@ -15,12 +15,6 @@ class Scorer:
         self.reward, self.decode = reward_manager, decode
         self.adv_estimator, self.algo_cfg = adv_estimator, algo_cfg
 
-    def score(self, groups: list[Group], stats) -> None:
-        """Fill each group's rewards and advantages; add the time and error counts to `stats`
-        (a RolloutStats)."""
-        self.rewards(groups, stats)
-        self.advantages(groups)
-
     def rewards(self, groups: list[Group], stats) -> None:
         """Fill each group's rewards (a part of a group too: a pilot's samples decide its commit)."""
         t0 = time.perf_counter()

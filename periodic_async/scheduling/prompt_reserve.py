@@ -1,5 +1,7 @@
-"""The keys of surplus prompts kept for a later step, with an age limit (torch-free). Prompt
-keys only: despite the name, no experience (rollouts, rewards, log-probs) is ever held here.
+"""The keys of surplus prompts kept for a later step, with an age limit (torch-free). Prompt keys
+only: no experience (rollouts, rewards, log-probs) is ever held here. (The config key
+rollout.pilot.replay_max_age, the `pilot/replay_*` metrics and the "replay" entry of the
+allocator's state keep the older name "replay buffer".)
 
 A prompt whose pilot passed but that did not get a commit this step (the step's budget or its B
 groups were already taken) goes here, so a later step where too few pilots pass can still train
@@ -12,7 +14,7 @@ served oldest first (ties in insertion order), which spends entries before they 
 held at most once; adding it again refreshes its step and moves it to the back.
 
 `PromptKey` is whatever identifies a prompt to the caller (a record index or a string); the
-buffer only compares and stores it, and the state dict keeps it as it is (JSON int or str).
+reserve only compares and stores it, and the state dict keeps it as it is (JSON int or str).
 """
 from __future__ import annotations
 
@@ -21,12 +23,12 @@ from typing import Any, Hashable
 PromptKey = Hashable      # an int record index or a string; JSON keeps either as it is
 
 
-class ReplayBuffer:
+class PromptReserve:
     """Keys of surplus prompts with the step each was added in, oldest first."""
 
     def __init__(self, max_age: int):
         if max_age < 0:
-            raise ValueError(f"ReplayBuffer: max_age must be >= 0 steps, got {max_age}")
+            raise ValueError(f"PromptReserve: max_age must be >= 0 steps, got {max_age}")
         self.max_age = max_age
         self._added: dict[PromptKey, int] = {}       # insertion-ordered: key -> step it was added in
 
