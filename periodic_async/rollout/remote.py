@@ -40,6 +40,8 @@ import threading
 import time
 from multiprocessing.connection import AuthenticationError, Client
 
+from .messages import Assign, Hello, Reject, Stop
+
 KEY_VAR = "PERIODIC_ASYNC_ROLLOUT_KEY"
 
 
@@ -80,7 +82,7 @@ def _pool_to_worker(conn, inbox, worker, stopping: threading.Event) -> None:
         while True:
             msg = conn.recv()
             inbox.put(msg)
-            if msg[0] == "stop":
+            if isinstance(msg, Stop):
                 stopping.set()
                 return
     except (EOFError, OSError):
@@ -108,12 +110,16 @@ def main(argv: list[str] | None = None) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     conn = connect(args.connect, rollout_key(), args.connect_timeout_s)
-    conn.send(("hello", socket.gethostname(), local_rank, os.getpid()))
+    conn.send(Hello(socket.gethostname(), local_rank, os.getpid()))
     msg = conn.recv()
-    if msg[0] == "reject":
-        print(f"rollout relay {socket.gethostname()}:{local_rank}: {msg[1]}", file=sys.stderr, flush=True)
+    if isinstance(msg, Reject):
+        print(f"rollout relay {socket.gethostname()}:{local_rank}: {msg.reason}", file=sys.stderr, flush=True)
         return 0       # every slot is taken: not a failure torchrun should retry
-    _, wid, settings, layout, version, store_port, pair_key = msg
+    if not isinstance(msg, Assign):
+        raise RuntimeError(f"rollout relay: the pool at {args.connect} sent {type(msg).__name__}, not an Assign "
+                           "(a trainer running other code?)")
+    wid, settings, layout, version = msg.wid, msg.settings, msg.layout, msg.version
+    store_port, pair_key = msg.store_port, msg.pair_key
     if args.model_dir:
         settings = dataclasses.replace(settings, model_dir=args.model_dir)
     backend = backend_without_setup(settings.backend)

@@ -40,6 +40,8 @@ from ..lifetime import die_with_parent
 from ..scheduling.staleness import STRICT, StalenessRule
 from .base import RolloutRequest, RolloutResult
 from .dispatch import least_loaded_worker
+from .messages import (Assign, Error, Generate, Hello, Placed, Ready, Reject, Results, Stop, Update,
+                       Updated)
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +123,7 @@ def _worker_main(wid: int, settings: WorkerSettings, placement: dict, inbox, out
         from ..backend import get_backend
         backend = get_backend(settings.backend, role="rollout")
         device = backend.enter_placement(placement)
-        outbox.send(("placed", wid, {"device": str(device), "env": _initial_env(list(placement.get("env") or ()))}))
+        outbox.send(Placed(wid, {"device": str(device), "env": _initial_env(list(placement.get("env") or ()))}))
         if settings.engine == "vllm":
             from .vllm_engine import VLLMRolloutEngine, prepare_vllm_env
             prepare_vllm_env()     # before vllm is imported in this process
@@ -137,12 +139,12 @@ def _worker_main(wid: int, settings: WorkerSettings, placement: dict, inbox, out
         if sync is None:
             if version > 0 or settings.load_format == "dummy":
                 engine.update_weights(_weights(buf, layout), version)
-            outbox.send(("ready", wid, os.getpid(), version))
+            outbox.send(Ready(wid, os.getpid(), version))
         else:
             # broadcast sync: say ready, join this worker's pair group with the pool (which joins
             # on "ready"), then receive the current weights if the checkpoint is not them
             from . import weight_sync
-            outbox.send(("ready", wid, os.getpid(), version))
+            outbox.send(Ready(wid, os.getpid(), version))
             address, key = sync
             group = weight_sync.pair_group(settings.backend, None, address, key, rank=1)
             plan = weight_sync.bucket_plan(layout, settings.bucket_bytes, torch.empty((), dtype=_dtype(settings)).element_size())
@@ -150,7 +152,7 @@ def _worker_main(wid: int, settings: WorkerSettings, placement: dict, inbox, out
             if version > 0 or settings.load_format == "dummy":
                 engine.update_weights(receive(), version)
     except BaseException as e:  # noqa: BLE001 - reported to the pool, which raises it
-        outbox.send(("error", wid, f"worker {wid} failed to start: {type(e).__name__}: {e}"))
+        outbox.send(Error(wid, f"worker {wid} failed to start: {type(e).__name__}: {e}"))
         return
     rng = random.Random(wid * 7919 + version)
     state = {"active": 0, "update": None, "stop": False}
@@ -169,18 +171,18 @@ def _worker_main(wid: int, settings: WorkerSettings, placement: dict, inbox, out
                 msg = inbox.get(timeout=0.02) if idle and not new and state["update"] is None else inbox.get_nowait()
             except queue.Empty:
                 break
-            if msg[0] == "generate":
-                (held if state["update"] is not None and not interrupt else new).extend(msg[1])
-            elif msg[0] == "update":
-                state["update"] = msg[1]
-            elif msg[0] == "stop":
+            if isinstance(msg, Generate):
+                (held if state["update"] is not None and not interrupt else new).extend(msg.requests)
+            elif isinstance(msg, Update):
+                state["update"] = msg.version
+            elif isinstance(msg, Stop):
                 state["stop"] = True
                 break
         if state["update"] is not None and (interrupt or (idle and not new)):
             v = state["update"]
             engine.update_weights(_weights(buf, layout) if sync is None else receive(), v)
             state["update"] = None
-            outbox.send(("updated", wid, v))
+            outbox.send(Updated(wid, v))
             new += held
             held.clear()
         if state["stop"] and idle and not new:
@@ -202,11 +204,11 @@ def _worker_main(wid: int, settings: WorkerSettings, placement: dict, inbox, out
                 rng.shuffle(finished)
                 for result in finished:
                     time.sleep(rng.uniform(0, settings.arrival_jitter_s))
-                    outbox.send(("results", wid, [result]))
+                    outbox.send(Results(wid, [result]))
             else:
-                outbox.send(("results", wid, finished))
+                outbox.send(Results(wid, finished))
     except Exception as e:  # noqa: BLE001 - reported to the pool, which raises it in the trainer
-        outbox.send(("error", wid, f"rollout worker {wid} failed: {type(e).__name__}: {e}"))
+        outbox.send(Error(wid, f"rollout worker {wid} failed: {type(e).__name__}: {e}"))
     finally:
         engine.close()
 
@@ -219,7 +221,7 @@ class _Handle:
     pid: int = 0
     last_progress: float = 0.0
     remote: bool = False
-    ready: bool = False            # said "ready" (and, broadcast sync, paired)
+    ready: bool = False            # said Ready (and, broadcast sync, paired)
 
     def alive(self) -> bool:
         if self.remote:
@@ -317,7 +319,7 @@ class WorkerPool:
                 self._listen(remote_address)
             for wid in range(len(placements)):
                 self._spawn(wid)
-            self._await("ready", set(range(len(self._workers))), self.startup_timeout_s)
+            self._await(Ready, set(range(len(self._workers))), self.startup_timeout_s)
             self._started = True
         except BaseException:
             self.close()
@@ -377,10 +379,13 @@ class WorkerPool:
             try:
                 if not conn.poll(10):
                     raise EOFError("no hello")
-                _, host, local_rank, pid = conn.recv()
+                hello = conn.recv()
+                if not isinstance(hello, Hello):
+                    raise ValueError(f"expected a Hello, got {type(hello).__name__}")
+                host, local_rank, pid = hello.host, hello.local_rank, hello.pid
                 vacant = [wid for wid, h in enumerate(self._workers) if h.remote and h.reader is None]
                 if not vacant:
-                    conn.send(("reject", f"all {sum(h.remote for h in self._workers)} remote rollout slots are taken"))
+                    conn.send(Reject(f"all {sum(h.remote for h in self._workers)} remote rollout slots are taken"))
                     conn.close()
                     continue
                 wid = vacant[0]
@@ -388,7 +393,7 @@ class WorkerPool:
                 self._keys[wid] = f"worker{wid}-{self._spawned}"
                 self._pairs.pop(wid, None)
                 port = int(self._sync_address.rsplit(":", 1)[1])
-                conn.send(("assign", wid, self.settings, self.layout, self.version, port, self._keys[wid]))
+                conn.send(Assign(wid, self.settings, self.layout, self.version, port, self._keys[wid]))
             except (EOFError, OSError, ValueError, TypeError) as e:
                 log.warning("rollout pool: a relay's hello failed (%s)", e)
                 conn.close()
@@ -452,9 +457,10 @@ class WorkerPool:
                     h.process.kill()
         return None
 
-    def _await(self, kind: str, wids: set[int], timeout: float, version: int | None = None) -> None:
-        """Wait for a `kind` message ("ready" / "updated") from each worker in `wids`, restarting
+    def _await(self, kind: type, wids: set[int], timeout: float, version: int | None = None) -> None:
+        """Wait for a `kind` message (Ready / Updated) from each worker in `wids`, restarting
         any that dies meanwhile (a restarted worker starts at the current version: it counts)."""
+        name = kind.__name__.lower()      # "ready" / "updated", as the messages below say
         deadline = time.monotonic() + timeout
         waiting = set(wids)
         next_check = time.monotonic() + 0.2
@@ -465,56 +471,56 @@ class WorkerPool:
                 hint = (f"; {len(remote)} of them on other nodes: start them with `torchrun --nproc_per_node N -m "
                         f"periodic_async.rollout.remote --connect {getattr(self, 'remote_address', '?')}` and the same "
                         f"PERIODIC_ASYNC_ROLLOUT_KEY") if remote else ""
-                raise WorkerError(f"rollout workers {sorted(waiting)} did not report '{kind}' within {timeout:.0f} s{hint}")
+                raise WorkerError(f"rollout workers {sorted(waiting)} did not report '{name}' within {timeout:.0f} s{hint}")
             if now >= next_check:   # also while other workers keep sending
                 next_check = now + 0.2
                 for wid in list(waiting):
                     h = self._workers[wid]
                     if h.remote:
                         if h.reader is None and h.process is None and h.inbox is not None:
-                            self._vacate(wid, f"lost its connection while the pool waited for '{kind}'")
-                        if self._workers[wid].reader is None and (kind != "ready" or self._started):
+                            self._vacate(wid, f"lost its connection while the pool waited for '{name}'")
+                        if self._workers[wid].reader is None and (kind is not Ready or self._started):
                             waiting.discard(wid)     # it gets the current weights when it reconnects
                         continue
                     if not h.process.is_alive():
-                        self._restart(wid, f"died while the pool waited for '{kind}'")
-                        self._await("ready", {wid}, self.startup_timeout_s)
+                        self._restart(wid, f"died while the pool waited for '{name}'")
+                        self._await(Ready, {wid}, self.startup_timeout_s)
                         waiting.discard(wid)
             msg = self._recv(0.2)
             if msg is None:
                 continue
             self._handle_side_message(msg)
-            if msg[0] == kind and msg[1] in waiting and (version is None or msg[-1] == version):
-                waiting.discard(msg[1])
-            elif msg[0] == "ready" and kind == "updated" and msg[1] in waiting and msg[-1] == version:
-                waiting.discard(msg[1])     # restarted mid-update: it loaded the new weights at start
-            elif msg[0] == "results":
+            if isinstance(msg, kind) and msg.wid in waiting and (version is None or msg.version == version):
+                waiting.discard(msg.wid)
+            elif isinstance(msg, Ready) and kind is Updated and msg.wid in waiting and msg.version == version:
+                waiting.discard(msg.wid)    # restarted mid-update: it loaded the new weights at start
+            elif isinstance(msg, Results):
                 self._stash.append(msg)     # results that arrived while waiting: results() takes them
 
     def _handle_side_message(self, msg) -> None:
-        if msg[0] == "error":
-            raise WorkerError(msg[2])
-        if msg[0] in ("updated", "ready") and self._awaiting and msg[-1] == self.version:
+        if isinstance(msg, Error):
+            raise WorkerError(msg.text)
+        if isinstance(msg, (Updated, Ready)) and self._awaiting and msg.version == self.version:
             with self._lock:      # an ack of a posted update (a restarted worker starts with it)
-                self._awaiting.discard(msg[1])
+                self._awaiting.discard(msg.wid)
                 if not self._awaiting:
                     self.applied_version = self.version
                     self._acked.set()
-        if msg[0] == "placed":
-            self.placed[msg[1]] = msg[2]
-        elif msg[0] == "ready":
-            h = self._workers[msg[1]]
+        if isinstance(msg, Placed):
+            self.placed[msg.wid] = msg.info
+        elif isinstance(msg, Ready):
+            h = self._workers[msg.wid]
             if not h.remote:
-                h.pid = msg[2]
+                h.pid = msg.pid
             if self.settings.weight_sync == "broadcast":
-                self._pair_with(msg[1])
+                self._pair_with(msg.wid)
             h.ready = True
             if self._pending:          # requests that waited for a connected worker
                 pending, self._pending = self._pending, []
                 self.dispatch(pending)
-        elif msg[0] not in ("results", "updated", "placed"):
+        elif not isinstance(msg, (Results, Updated)):
             # e.g. a worker running other code than the trainer (files changed under a running job)
-            raise WorkerError(f"unexpected message {msg[0]!r} from rollout worker {msg[1]}")
+            raise WorkerError(f"unexpected message {type(msg).__name__} from rollout worker {getattr(msg, 'wid', '?')}")
 
     def _pair_with(self, wid: int) -> None:
         """Broadcast sync: join a (re)started worker's pair group and send it the current weights
@@ -572,14 +578,14 @@ class WorkerPool:
         now = time.monotonic()
         for wid, reqs in per_worker.items():
             self._workers[wid].last_progress = now
-            self._workers[wid].inbox.put(("generate", reqs))
+            self._workers[wid].inbox.put(Generate(reqs))
 
     def results(self) -> Iterator[RolloutResult]:
         """Results of everything dispatched, as they arrive, each exactly once."""
         while self._owner or self._pending:
             yield from self.poll(0.2)
         self._requests.clear()
-        self.dropped_results += sum(len(m[2]) for m in self._stash)   # duplicates of delivered samples
+        self.dropped_results += sum(len(m.results) for m in self._stash)   # duplicates of delivered samples
         self._stash.clear()
 
     def poll(self, timeout: float = 0.2) -> list[RolloutResult]:
@@ -593,10 +599,10 @@ class WorkerPool:
         if msg is None:
             return []
         self._handle_side_message(msg)
-        if msg[0] != "results":
+        if not isinstance(msg, Results):
             return []
-        wid, out = msg[1], []
-        for r in msg[2]:
+        wid, out = msg.wid, []
+        for r in msg.results:
             key = (r.group_index, r.sample_index)
             if self._owner.get(key) is None or not self.staleness.admit(r.policy_version, self.version):
                 self.dropped_results += 1     # a late duplicate, or from a policy the rule refuses
@@ -626,7 +632,7 @@ class WorkerPool:
             with self._lock:    # a (re)starting worker reads the weights buffer
                 self._restart(wid, "died" if dead else f"made no progress for {self.worker_timeout_s:.0f} s")
                 if not h.remote:
-                    self._await("ready", {wid}, self.startup_timeout_s)
+                    self._await(Ready, {wid}, self.startup_timeout_s)
             by_group: dict[int, list[int]] = {}
             for g, k in owed:
                 by_group.setdefault(g, []).append(k)
@@ -645,12 +651,12 @@ class WorkerPool:
         # must be paired (and hold those weights) before the update below can reach it
         joining = {wid for wid, h in enumerate(self._workers) if h.remote and h.reader is not None and not h.ready}
         if joining:
-            self._await("ready", joining, self.startup_timeout_s)
+            self._await(Ready, joining, self.startup_timeout_s)
         self._write_buffer(named_tensors)
         self.version = version
         for h in self._workers:
             if h.inbox is not None:
-                h.inbox.put(("update", version))
+                h.inbox.put(Update(version))
         if self.settings.weight_sync == "broadcast":
             from . import weight_sync
             for wid in list(self._pairs):
@@ -658,7 +664,7 @@ class WorkerPool:
                     weight_sync.send_weights(self._pairs[wid], self.settings.backend, self._buf, self._plan)
                 except RuntimeError as e:   # the worker died: its restart receives version `version`
                     self._restart(wid, f"failed during the weight broadcast ({e})")
-        self._await("updated", {wid for wid, h in enumerate(self._workers) if not h.remote or h.reader is not None},
+        self._await(Updated, {wid for wid, h in enumerate(self._workers) if not h.remote or h.reader is not None},
                     self.startup_timeout_s, version=version)
         self.applied_version = version
 
@@ -679,7 +685,7 @@ class WorkerPool:
             self._awaiting = {wid for wid, h in enumerate(self._workers) if h.inbox is not None}
             self._acked.clear()
             for wid in self._awaiting:
-                self._workers[wid].inbox.put(("update", version))
+                self._workers[wid].inbox.put(Update(version))
 
     def _write_buffer(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy a full set of HF-layout tensors into the shared buffer (all names of the layout)."""
@@ -704,7 +710,7 @@ class WorkerPool:
         for h in self._workers:
             if h is not None and h.inbox is not None and h.alive():
                 try:
-                    h.inbox.put(("stop",))
+                    h.inbox.put(Stop())
                 except (OSError, ValueError):
                     pass
         if self._listener is not None:
