@@ -32,18 +32,12 @@ LAYERS = [
 # They sit in files being rewritten elsewhere (or need such a file to change first); a new one
 # fails the test.
 KNOWN_UPWARD = {
-    # to be removed: the worker should take the staleness rule's decision as a value (rollout/worker.py)
-    ("periodic_async.rollout.worker", "periodic_async.scheduling.staleness"),
     # to be removed: PilotConfig / BackfillConfig and validate_allocation belong in config/; they
     # are defined in scheduling/allocation.py, which is being rewritten elsewhere
     ("periodic_async.config.sections", "periodic_async.scheduling.allocation"),
     ("periodic_async.config.validation", "periodic_async.scheduling.allocation"),
 }
-KNOWN_CYCLES = {
-    # to be removed: the relay (remote.py) runs a worker; the pool (worker.py) imports the relay's
-    # address and key helpers back (rollout/remote.py, rollout/worker.py)
-    frozenset({"periodic_async.rollout.remote", "periodic_async.rollout.worker"}),
-}
+KNOWN_CYCLES: set = set()
 
 
 def _modules() -> dict[str, pathlib.Path]:

@@ -93,3 +93,8 @@ class Assign:
 class Reject:
     """No slot for this relay (every remote slot is taken)."""
     reason: str
+
+
+class WorkerError(RuntimeError):
+    """A rollout worker failed in a way a restart does not fix (e.g. it cannot start); what the
+    pool raises for an Error message."""

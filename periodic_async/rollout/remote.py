@@ -9,7 +9,7 @@
 
 Each relay connects to the pool (trainer rank 0), is given a worker slot - the worker settings,
 the weight layout, the current policy version and a pair-group name on the pool's weight-sync
-store - and spawns the same worker process a local slot runs (worker.py `_worker_main`), on its
+store - and spawns the same worker process a local slot runs (worker_main.py `run_worker`), on its
 local device (the LOCAL_RANK-th, made the only one it sees). From then on it relays messages
 both ways between the pool's connection and the worker's queue and pipe; the weights go straight
 from the pool to the worker over the broadcast sync (weight_sync.py), not through the relay.
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..backend import backend_without_setup
     from ..lifetime import die_with_parent
-    from .worker import _worker_main
+    from .worker_main import run_worker
 
     die_with_parent()     # torchrun's agent killed: this relay goes too (and its worker after it)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = mp.get_context("spawn")
     inbox = ctx.Queue()
     reader, writer = ctx.Pipe(duplex=False)
-    worker = ctx.Process(target=_worker_main, name=f"rollout-worker-{wid}", daemon=True,
+    worker = ctx.Process(target=run_worker, name=f"rollout-worker-{wid}", daemon=True,
                          args=(wid, settings, placement, inbox, writer, None, layout, version,
                                (f"{host}:{store_port}", pair_key)))
     with backend.spawn_env(placement):
