@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import pickle
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Iterator, Protocol
@@ -299,10 +297,6 @@ class WorkerPool(PoolWeights):
             h.reader.close()
         self.restarts += 1
         self._spawn(wid)
-
-    def kill_worker(self, wid: int) -> None:
-        """Testing aid: SIGKILL a worker, as a crash would."""
-        os.kill(self._workers[wid].pid, signal.SIGKILL)
 
     # ------------------------------------------------------------------ generation
     def dispatch(self, requests: list[RolloutRequest]) -> None:
