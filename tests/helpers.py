@@ -8,6 +8,7 @@ Importable as `helpers` from test files (pytest puts tests/ on sys.path) and fro
 from __future__ import annotations
 
 import os
+import signal
 
 import torch
 
@@ -291,6 +292,11 @@ def score(scorer, groups, stats) -> None:
 # ---------------------------------------------------------------------- fault injection
 
 
+def kill_worker(pool, wid: int) -> None:
+    """SIGKILL local rollout worker `wid` of a WorkerPool, as a crash would."""
+    os.kill(pool.pids()[wid], signal.SIGKILL)
+
+
 def kill_worker_hook(killed: dict, at_version: int, worker: int = 0):
     """A Trainer hook that SIGKILLs rollout worker `worker` once, in the step trained at policy
     version `at_version`, right after the first complete request is rewarded (the worker still has
@@ -302,7 +308,7 @@ def kill_worker_hook(killed: dict, at_version: int, worker: int = 0):
         def killing_score(groups, stats):
             if trainer.version == at_version and not killed:
                 killed["pid"] = producer.pool.pids()[worker]
-                producer.pool.kill_worker(worker)
+                kill_worker(producer.pool, worker)
             return score(groups, stats)
         producer.scorer.rewards = killing_score
     return hook

@@ -15,6 +15,7 @@ from periodic_async.rollout.base import RolloutRequest, SamplingParams
 from periodic_async.rollout.hf_engine import HFRolloutEngine
 from periodic_async.scheduling.staleness import StalenessRule
 
+from helpers import kill_worker
 from test_rollout import PROMPTS, _model_dir
 
 
@@ -178,7 +179,7 @@ def test_worker_killed_while_taking_an_update_loses_nothing(tmp_path):
             post(named, version)
             if version == 2 and not killed:
                 killed["pid"] = trainer.producer.pool.pids()[0]
-                trainer.producer.pool.kill_worker(0)
+                kill_worker(trainer.producer.pool, 0)
         trainer.producer.update_weights = killing_post
     trainer, history, _ = _run(tmp_path, "async", *ASYNC, "rollout.worker_timeout_s=30",
                                "algo.adv_estimator=vcpo_baseline", "actor.micro_batch_size=8", hook=hook)

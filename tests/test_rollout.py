@@ -295,3 +295,22 @@ def test_ignore_eos_runs_every_response_to_max_new_tokens(model):
     req = _requests(tok, free, n=4)[0]
     ids, _, reason = reference_generate(hf, req, 0, tok.eos_token_id)
     assert reason == "length" and ids == ran[0].response_ids
+
+
+def test_pool_and_worker_messages_are_frozen_picklable_and_torch_free():
+    """rollout/messages.py: what crosses the workers' pipes and the relays' connections."""
+    import dataclasses
+    import pickle
+    import subprocess
+    import sys
+
+    from periodic_async.rollout import messages as m
+    req = RolloutRequest(3, [1, 2], 2, SamplingParams(max_new_tokens=4), 7)
+    for msg in [m.Generate([req]), m.Update(2), m.Stop(), m.Placed(0, {"device": "cpu", "env": {}}), m.Ready(1, 99, 2),
+                m.Updated(1, 2), m.Results(0, []), m.Error(0, "boom"), m.Hello("h", 0, 5), m.Reject("full"),
+                m.Assign(1, {"any": "settings"}, [("w", (2,))], 0, 29500, "worker1-1")]:
+        assert pickle.loads(pickle.dumps(msg)) == msg
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(msg, "x", 1)
+    code = "import sys, periodic_async.rollout.messages; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -130,12 +130,13 @@ def _initial():
 def test_pool_with_tp_workers_keeps_its_weights_in_a_named_buffer_and_removes_it():
     """No worker process is started (no placements): the buffer, what a worker would be handed,
     and its removal at close."""
-    from periodic_async.rollout.worker import WorkerPool, WorkerSettings, _weights
+    from periodic_async.rollout.weights_buffer import engine_weights
+    from periodic_async.rollout.worker import WorkerPool, WorkerSettings
     settings = WorkerSettings("cuda", "/no/model", 0, 1, 4, engine="vllm", tensor_parallel_size=2)
     pool = WorkerPool(settings, [], LAYOUT, torch.float32, initial_weights=_initial())
     try:
         handle = pool._worker_buffer()
-        assert isinstance(handle, SharedWeights) and _weights(handle, LAYOUT) is handle
+        assert isinstance(handle, SharedWeights) and engine_weights(handle, LAYOUT) is handle
         got = dict(pickle.loads(pickle.dumps(handle)))       # as a worker / TP process sees it
         assert torch.equal(got["a.bias"], torch.full((3,), 2.0)) and torch.equal(got["a.weight"], torch.ones(2, 3))
     finally:
@@ -144,13 +145,14 @@ def test_pool_with_tp_workers_keeps_its_weights_in_a_named_buffer_and_removes_it
 
 
 def test_pool_of_one_device_workers_keeps_the_shared_tensor():
-    from periodic_async.rollout.worker import WorkerPool, WorkerSettings, _weights
+    from periodic_async.rollout.weights_buffer import engine_weights
+    from periodic_async.rollout.worker import WorkerPool, WorkerSettings
     pool = WorkerPool(WorkerSettings("cpu", "/no/model", 0, 1, 4, engine="vllm"), [], LAYOUT, torch.float32,
                       initial_weights=_initial())
     try:
         buf = pool._worker_buffer()
         assert isinstance(buf, torch.Tensor) and buf.is_shared()
-        assert [n for n, _ in _weights(buf, LAYOUT)] == ["a.weight", "a.bias"]
+        assert [n for n, _ in engine_weights(buf, LAYOUT)] == ["a.weight", "a.bias"]
     finally:
         pool.close()
 

@@ -9,7 +9,7 @@
 
 Each relay connects to the pool (trainer rank 0), is given a worker slot - the worker settings,
 the weight layout, the current policy version and a pair-group name on the pool's weight-sync
-store - and spawns the same worker process a local slot runs (worker.py `_worker_main`), on its
+store - and spawns the same worker process a local slot runs (worker_main.py `run_worker`), on its
 local device (the LOCAL_RANK-th, made the only one it sees). From then on it relays messages
 both ways between the pool's connection and the worker's queue and pipe; the weights go straight
 from the pool to the worker over the broadcast sync (weight_sync.py), not through the relay.
@@ -39,6 +39,8 @@ import sys
 import threading
 import time
 from multiprocessing.connection import AuthenticationError, Client
+
+from .messages import Assign, Hello, Reject, Stop
 
 KEY_VAR = "PERIODIC_ASYNC_ROLLOUT_KEY"
 
@@ -80,7 +82,7 @@ def _pool_to_worker(conn, inbox, worker, stopping: threading.Event) -> None:
         while True:
             msg = conn.recv()
             inbox.put(msg)
-            if msg[0] == "stop":
+            if isinstance(msg, Stop):
                 stopping.set()
                 return
     except (EOFError, OSError):
@@ -102,18 +104,22 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..backend import backend_without_setup
     from ..lifetime import die_with_parent
-    from .worker import _worker_main
+    from .worker_main import run_worker
 
     die_with_parent()     # torchrun's agent killed: this relay goes too (and its worker after it)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     conn = connect(args.connect, rollout_key(), args.connect_timeout_s)
-    conn.send(("hello", socket.gethostname(), local_rank, os.getpid()))
+    conn.send(Hello(socket.gethostname(), local_rank, os.getpid()))
     msg = conn.recv()
-    if msg[0] == "reject":
-        print(f"rollout relay {socket.gethostname()}:{local_rank}: {msg[1]}", file=sys.stderr, flush=True)
+    if isinstance(msg, Reject):
+        print(f"rollout relay {socket.gethostname()}:{local_rank}: {msg.reason}", file=sys.stderr, flush=True)
         return 0       # every slot is taken: not a failure torchrun should retry
-    _, wid, settings, layout, version, store_port, pair_key = msg
+    if not isinstance(msg, Assign):
+        raise RuntimeError(f"rollout relay: the pool at {args.connect} sent {type(msg).__name__}, not an Assign "
+                           "(a trainer running other code?)")
+    wid, settings, layout, version = msg.wid, msg.settings, msg.layout, msg.version
+    store_port, pair_key = msg.store_port, msg.pair_key
     if args.model_dir:
         settings = dataclasses.replace(settings, model_dir=args.model_dir)
     backend = backend_without_setup(settings.backend)
@@ -123,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = mp.get_context("spawn")
     inbox = ctx.Queue()
     reader, writer = ctx.Pipe(duplex=False)
-    worker = ctx.Process(target=_worker_main, name=f"rollout-worker-{wid}", daemon=True,
+    worker = ctx.Process(target=run_worker, name=f"rollout-worker-{wid}", daemon=True,
                          args=(wid, settings, placement, inbox, writer, None, layout, version,
                                (f"{host}:{store_port}", pair_key)))
     with backend.spawn_env(placement):

@@ -1,17 +1,11 @@
-"""Rollout workers in their own processes, and the pool that feeds, watches and syncs them.
+"""The pool that feeds, watches and syncs the rollout worker processes (rollout/worker_main.py),
+local ones and those on other nodes (rollout/remote.py); the messages: rollout/messages.py.
 
-Each worker process owns a rollout engine on its own device (its own cores on CPU) and serves
-requests continuously: new requests join the running batch as slots free up. Results go back on
-the worker's own pipe as each response finishes (a queue shared by all workers would stay locked
-forever if a worker were killed while writing to it).
+Dispatch: each request goes to the worker with the fewest outstanding samples (dispatch.py);
+results are delivered as they arrive, each sample exactly once.
 
-Weight sync (one node): the trainer writes the policy's HF-layout tensors into ONE flat
-shared-memory buffer and tells every worker the new version; each worker copies from the buffer
-into its engine when it is idle and acknowledges. The pool dispatches the next batch only after
-every worker has acknowledged, so every sample of batch t comes from policy t. In the async mode
-(`post_weights`) the update reaches workers that are generating: an interruptible engine takes it
-between two decode steps, any other once drained; acknowledgements are collected by whoever reads
-the workers' messages (`poll`).
+Weights: the buffer, the updates and their acknowledgements are the pool's other half,
+rollout/pool_weights.py.
 
 Faults: a worker that dies, or makes no progress for `worker_timeout_s` while it has work, is
 killed and restarted from the buffer (the current weights); the samples it still owed are
@@ -23,235 +17,45 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import pickle
-import queue
-import random
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Protocol
 
 import torch
 import torch.multiprocessing as mp
 
-from ..lifetime import die_with_parent
-from ..scheduling.staleness import STRICT, StalenessRule
 from .base import RolloutRequest, RolloutResult
 from .dispatch import least_loaded_worker
+from .messages import Assign, Error, Generate, Placed, Ready, Reject, Results, Stop, Updated, WorkerError
+from .pool_weights import PoolWeights
+from .slots import ConnectionInbox, RelayListener, WorkerHandle
+from .weights_buffer import Layout
+from .worker_main import WorkerSettings, run_worker
+
+__all__ = ["WorkerPool", "WorkerSettings", "WorkerError", "Layout"]
 
 log = logging.getLogger(__name__)
 
 
-class WorkerError(RuntimeError):
-    """A rollout worker failed in a way a restart does not fix (e.g. it cannot start)."""
+class Admits(Protocol):
+    """Which results the pool delivers (scheduling/staleness.py's StalenessRule is one)."""
+    def admit(self, sample_version: int, pool_version: int) -> bool: ...
 
 
-@dataclass(frozen=True)
-class WorkerSettings:
-    """Everything a worker process needs to build its engine (picklable)."""
-    backend: str
-    model_dir: str
-    pad_token_id: int
-    eos_token_id: int | None
-    max_slots: int
-    # Testing aid: a random delay of up to this many seconds before each result is sent, so that
-    # results from several workers arrive in a shuffled order. 0 in real runs.
-    arrival_jitter_s: float = 0.0
-    engine: str = "hf"                    # "hf" | "vllm" (rollout.engine)
-    max_model_len: int | None = None      # vllm: prompt + max_new_tokens limit (None: the model's)
-    load_format: str = "auto"             # vllm: "auto" (checkpoint) | "dummy" (random, then a sync)
-    kv_cache_gb: float = 1.0              # vllm on cpu: KV-cache size
-    gpu_memory_utilization: float = 0.9   # vllm on an accelerator: its share of the device
-    # "shm": workers read the weights from the pool's shared-memory buffer (one node);
-    # "broadcast": the pool sends them over a process group per worker (rollout/weight_sync.py)
-    weight_sync: str = "shm"
-    bucket_bytes: int = 256 << 20         # broadcast sync: bucket size
-    dtype: str = "float32"                # the engine's and the sync's weight dtype (model.dtype)
-    # take weight updates mid-generation when the engine can (rollout.interruptible); else drain
-    interruptible: bool = True
-    # vllm: devices per engine (rollout.tensor_parallel_size). > 1: vLLM's TP processes load new
-    # weights from the pool's buffer by name (weight_sync.SharedWeights), shm sync only
-    tensor_parallel_size: int = 1
-    enforce_eager: bool | None = None     # vllm: no CUDA / ACL graphs (None: on cpu only)
-
-
-Layout = list[tuple[str, tuple[int, ...]]]
-
-
-def _views(buf: torch.Tensor, layout: Layout) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, view into the flat buffer) in layout order."""
-    offset = 0
-    for name, shape in layout:
-        n = math.prod(shape)
-        yield name, buf[offset:offset + n].view(shape)
-        offset += n
-
-
-def _weights(buf, layout: Layout):
-    """What an engine loads from the pool's buffer: views of the tensor the worker was given, or,
-    for a vLLM engine with tensor parallelism, the buffer's named handle (weight_sync.SharedWeights:
-    picklable, so vLLM's TP processes open it themselves; iterating it gives the same views)."""
-    return _views(buf, layout) if isinstance(buf, torch.Tensor) else buf
-
-
-def _dtype(settings: WorkerSettings) -> torch.dtype:
-    return getattr(torch, settings.dtype)
-
-
-def _initial_env(names: list[str]) -> dict[str, str | None]:
-    """These variables as they were when this process started (Linux: /proc/self/environ), i.e.
-    before any import could have read them."""
-    try:
-        with open("/proc/self/environ", "rb") as f:
-            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-    except OSError:
-        return {n: os.environ.get(n) for n in names}
-    return {n: (env[n.encode()].decode() if n.encode() in env else None) for n in names}
-
-
-def _worker_main(wid: int, settings: WorkerSettings, placement: dict, inbox, outbox, buf: torch.Tensor | None,
-                 layout: Layout, version: int, sync: tuple[str, str] | None = None) -> None:
-    """`outbox` is this worker's own pipe to the pool: a worker killed mid-write can only break its
-    own channel (a queue shared by all workers would stay locked forever)."""
-    die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the trainer handles Ctrl-C and stops us
-    try:
-        from ..backend import get_backend
-        backend = get_backend(settings.backend, role="rollout")
-        device = backend.enter_placement(placement)
-        outbox.send(("placed", wid, {"device": str(device), "env": _initial_env(list(placement.get("env") or ()))}))
-        if settings.engine == "vllm":
-            from .vllm_engine import VLLMRolloutEngine, prepare_vllm_env
-            prepare_vllm_env()     # before vllm is imported in this process
-            engine = VLLMRolloutEngine(settings.model_dir, settings.pad_token_id, settings.eos_token_id, settings.max_slots, device,
-                                       max_model_len=settings.max_model_len, load_format=settings.load_format,
-                                       dtype=settings.dtype, kv_cache_gb=settings.kv_cache_gb,
-                                       gpu_memory_utilization=settings.gpu_memory_utilization,
-                                       enforce_eager=settings.enforce_eager,
-                                       tensor_parallel_size=settings.tensor_parallel_size)
-        else:
-            from .hf_engine import HFRolloutEngine
-            engine = HFRolloutEngine(settings.model_dir, settings.pad_token_id, settings.eos_token_id, settings.max_slots, device)
-        if sync is None:
-            if version > 0 or settings.load_format == "dummy":
-                engine.update_weights(_weights(buf, layout), version)
-            outbox.send(("ready", wid, os.getpid(), version))
-        else:
-            # broadcast sync: say ready, join this worker's pair group with the pool (which joins
-            # on "ready"), then receive the current weights if the checkpoint is not them
-            from . import weight_sync
-            outbox.send(("ready", wid, os.getpid(), version))
-            address, key = sync
-            group = weight_sync.pair_group(settings.backend, None, address, key, rank=1)
-            plan = weight_sync.bucket_plan(layout, settings.bucket_bytes, torch.empty((), dtype=_dtype(settings)).element_size())
-            receive = lambda: weight_sync.recv_weights(group, settings.backend, layout, plan, _dtype(settings))  # noqa: E731
-            if version > 0 or settings.load_format == "dummy":
-                engine.update_weights(receive(), version)
-    except BaseException as e:  # noqa: BLE001 - reported to the pool, which raises it
-        outbox.send(("error", wid, f"worker {wid} failed to start: {type(e).__name__}: {e}"))
-        return
-    rng = random.Random(wid * 7919 + version)
-    state = {"active": 0, "update": None, "stop": False}
-
-    held: list[RolloutRequest] = []     # requests that arrived after a pending update (drained engine)
-    interrupt = engine.interruptible and settings.interruptible
-
-    def poll():
-        """New requests since the last decode step, and weight updates: an interruptible engine
-        takes them at once (its in-flight sequences continue under the new weights); any other
-        is drained first - requests that arrive meanwhile wait until it has the new weights."""
-        new: list[RolloutRequest] = []
-        idle = state["active"] == 0
-        while True:
-            try:
-                msg = inbox.get(timeout=0.02) if idle and not new and state["update"] is None else inbox.get_nowait()
-            except queue.Empty:
-                break
-            if msg[0] == "generate":
-                (held if state["update"] is not None and not interrupt else new).extend(msg[1])
-            elif msg[0] == "update":
-                state["update"] = msg[1]
-            elif msg[0] == "stop":
-                state["stop"] = True
-                break
-        if state["update"] is not None and (interrupt or (idle and not new)):
-            v = state["update"]
-            engine.update_weights(_weights(buf, layout) if sync is None else receive(), v)
-            state["update"] = None
-            outbox.send(("updated", wid, v))
-            new += held
-            held.clear()
-        if state["stop"] and idle and not new:
-            return None
-        return new
-
-    seat = placement.get("seat")     # cores shared with the trainer (backend.CoreSeat), or None
-
-    def on_slots(n: int) -> None:
-        state["active"] = n
-        if seat is not None:
-            seat.set_busy(n > 0)
-
-    try:
-        for finished in engine.serve(poll, on_slots=on_slots):
-            for result in finished:
-                result.timings["worker"] = wid
-            if settings.arrival_jitter_s > 0:   # testing aid: send one at a time, in a shuffled order
-                rng.shuffle(finished)
-                for result in finished:
-                    time.sleep(rng.uniform(0, settings.arrival_jitter_s))
-                    outbox.send(("results", wid, [result]))
-            else:
-                outbox.send(("results", wid, finished))
-    except Exception as e:  # noqa: BLE001 - reported to the pool, which raises it in the trainer
-        outbox.send(("error", wid, f"rollout worker {wid} failed: {type(e).__name__}: {e}"))
-    finally:
-        engine.close()
-
-
-@dataclass
-class _Handle:
-    process: mp.Process | None     # None: a worker on another node (its relay's connection)
-    inbox: object                  # .put(msg) reaches the worker
-    reader: object                 # the read end of this worker's result pipe (None once broken)
-    pid: int = 0
-    last_progress: float = 0.0
-    remote: bool = False
-    ready: bool = False            # said "ready" (and, broadcast sync, paired)
-
-    def alive(self) -> bool:
-        if self.remote:
-            return self.reader is not None
-        return self.process.is_alive()
-
-
-class _ConnectionInbox:
-    """A remote worker's inbox: messages go over its relay's connection (a broken one shows up
-    as EOF on the read side, where the pool handles it)."""
-
-    def __init__(self, conn):
-        self.conn = conn
-
-    def put(self, msg) -> None:
-        try:
-            self.conn.send(msg)
-        except (OSError, ValueError):
-            pass
-
-
-class WorkerPool:
+class WorkerPool(PoolWeights):
     """Parent-side owner of the rollout worker processes."""
 
     def __init__(self, settings: WorkerSettings, placements: list[dict], layout: Layout, dtype: torch.dtype = torch.float32,
                  worker_timeout_s: float = 120.0, startup_timeout_s: float = 300.0,
                  initial_weights: Iterable[tuple[str, torch.Tensor]] | None = None,
-                 staleness: StalenessRule = STRICT, remote_workers: int = 0, remote_address: str | None = None,
+                 staleness: Admits | None = None, remote_workers: int = 0, remote_address: str | None = None,
                  initial_version: int = 0):
         """initial_weights: version 0 in the shared buffer before the workers start (needed when
         they start from dummy weights, settings.load_format == "dummy"). staleness: which results
-        are delivered (scheduling/staleness.py); others are dropped and counted.
+        are delivered - anything with `admit(sample_version, pool_version) -> bool`, the trainer's
+        scheduling/staleness.StalenessRule; None: strictly on-policy, `0 <= version - v <= 0`
+        (that rule at max_staleness 0). Others are dropped and counted.
         remote_workers: slots after the local ones (`placements`) for workers on other nodes, whose
         relays connect to `remote_address` (rollout/remote.py); they need the broadcast sync.
         initial_version: the version of initial_weights (a resumed run's checkpoint step)."""
@@ -262,6 +66,7 @@ class WorkerPool:
         self.settings, self.placements, self.layout = settings, placements, layout
         self.worker_timeout_s, self.startup_timeout_s = worker_timeout_s, startup_timeout_s
         self.staleness = staleness
+        self._admit = staleness.admit if staleness is not None else (lambda v, version: 0 <= version - v <= 0)
         self.placed: dict[int, dict] = {}     # wid -> the device and visible-device variables it reported
         self._ctx = mp.get_context("spawn")
         self._shared = self._buf = None
@@ -277,13 +82,12 @@ class WorkerPool:
         self.dropped_results = 0
         self._owner: dict[tuple[int, int], int] = {}          # (group, k) -> worker id
         self._requests: dict[int, RolloutRequest] = {}        # group -> its request (for re-dispatch)
-        self._workers: list[_Handle | None] = [None] * len(placements)
-        self._workers += [_Handle(None, None, None, remote=True) for _ in range(remote_workers)]
+        self._workers: list[WorkerHandle | None] = [None] * len(placements)
+        self._workers += [WorkerHandle(None, None, None, remote=True) for _ in range(remote_workers)]
         self._pending: list[RolloutRequest] = []              # dispatched while no worker was connected
         self._pending_since = 0.0
         self._started = False                                 # every slot has been ready once
-        self._arrivals: queue.Queue = queue.Queue()           # relays' connections, from the listener thread
-        self._listener = None
+        self._listener: RelayListener | None = None           # accepts relays (remote_workers)
         self._closed = False
         self._stash: list = []                                # results received while awaiting acks
         # Updates while workers generate (trainer.mode async): the trainer thread writes the
@@ -317,28 +121,11 @@ class WorkerPool:
                 self._listen(remote_address)
             for wid in range(len(placements)):
                 self._spawn(wid)
-            self._await("ready", set(range(len(self._workers))), self.startup_timeout_s)
+            self._await(Ready, set(range(len(self._workers))), self.startup_timeout_s)
             self._started = True
         except BaseException:
             self.close()
             raise
-
-    def _named_buffer(self, settings: WorkerSettings, layout: Layout, dtype: torch.dtype):
-        """The weights buffer as a named file (weight_sync.SharedWeights), for vLLM engines whose
-        TP processes load from it; removed when the pool closes or is collected."""
-        if settings.engine != "vllm" or settings.weight_sync != "shm":
-            raise ValueError(f"tensor_parallel_size {settings.tensor_parallel_size} needs engine 'vllm' and "
-                             f"weight_sync 'shm' (got '{settings.engine}', '{settings.weight_sync}')")
-        import weakref
-
-        from .weight_sync import SharedWeights
-        shared = SharedWeights.create(layout, dtype)
-        self._unlink_buffer = weakref.finalize(self, shared.unlink)
-        return shared
-
-    def _worker_buffer(self):
-        """What a local worker gets of the buffer: the shared tensor, or its named handle (TP > 1)."""
-        return self._buf if self._shared is None else self._shared
 
     @property
     def num_workers(self) -> int:
@@ -350,37 +137,17 @@ class WorkerPool:
 
     # ------------------------------------------------------------------ workers on other nodes
     def _listen(self, address: str) -> None:
-        from multiprocessing.connection import Listener
-
-        from .remote import rollout_key, split_address
-        self._listener = Listener(split_address(address), authkey=rollout_key())
-        self.remote_address = "%s:%d" % self._listener.address
-
-        def accept():
-            while not self._closed:
-                try:
-                    self._arrivals.put(self._listener.accept())
-                except Exception as e:  # noqa: BLE001 - a wrong key, a port scan: log, keep listening
-                    if self._closed:
-                        return
-                    log.warning("rollout pool: refused a connection at %s (%s)", self.remote_address, e)
-        import threading
-        threading.Thread(target=accept, name="rollout-listener", daemon=True).start()
+        self._listener = RelayListener(address)
+        self.remote_address = self._listener.address
 
     def _admit_arrivals(self) -> None:
         """Give each newly connected relay a vacant remote slot (or turn it away)."""
-        while True:
+        for conn, hello in self._listener.hellos():
+            host, local_rank, pid = hello.host, hello.local_rank, hello.pid
             try:
-                conn = self._arrivals.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                if not conn.poll(10):
-                    raise EOFError("no hello")
-                _, host, local_rank, pid = conn.recv()
                 vacant = [wid for wid, h in enumerate(self._workers) if h.remote and h.reader is None]
                 if not vacant:
-                    conn.send(("reject", f"all {sum(h.remote for h in self._workers)} remote rollout slots are taken"))
+                    conn.send(Reject(f"all {sum(h.remote for h in self._workers)} remote rollout slots are taken"))
                     conn.close()
                     continue
                 wid = vacant[0]
@@ -388,14 +155,14 @@ class WorkerPool:
                 self._keys[wid] = f"worker{wid}-{self._spawned}"
                 self._pairs.pop(wid, None)
                 port = int(self._sync_address.rsplit(":", 1)[1])
-                conn.send(("assign", wid, self.settings, self.layout, self.version, port, self._keys[wid]))
+                conn.send(Assign(wid, self.settings, self.layout, self.version, port, self._keys[wid]))
             except (EOFError, OSError, ValueError, TypeError) as e:
                 log.warning("rollout pool: a relay's hello failed (%s)", e)
                 conn.close()
                 continue
             log.info("rollout pool: remote worker %d is %s local rank %d (relay pid %d)", wid, host, local_rank, pid)
-            self._workers[wid] = _Handle(None, _ConnectionInbox(conn), conn, pid=pid,
-                                         last_progress=time.monotonic(), remote=True)
+            self._workers[wid] = WorkerHandle(None, ConnectionInbox(conn), conn, pid=pid,
+                                              last_progress=time.monotonic(), remote=True)
 
     def _vacate(self, wid: int, why: str) -> None:
         """A remote worker is gone: close its connection (its relay exits and torchrun restarts
@@ -405,7 +172,7 @@ class WorkerPool:
         if h.reader is not None:
             h.reader.close()
         self._pairs.pop(wid, None)
-        self._workers[wid] = _Handle(None, None, None, remote=True)
+        self._workers[wid] = WorkerHandle(None, None, None, remote=True)
 
     # ------------------------------------------------------------------ processes
     def _spawn(self, wid: int) -> None:
@@ -420,7 +187,7 @@ class WorkerPool:
             self._keys[wid] = f"worker{wid}-{self._spawned}"     # a fresh pair group per process
             self._pairs.pop(wid, None)
             sync = (self._sync_address, self._keys[wid])
-        p = self._ctx.Process(target=_worker_main, name=f"rollout-worker-{wid}", daemon=True,
+        p = self._ctx.Process(target=run_worker, name=f"rollout-worker-{wid}", daemon=True,
                               args=(wid, self.settings, self.placements[wid], inbox, writer,
                                     self._worker_buffer() if sync is None else None, self.layout,
                                     self.version, sync))
@@ -428,7 +195,7 @@ class WorkerPool:
         with get_backend(self.settings.backend).spawn_env(self.placements[wid]):
             p.start()
         writer.close()   # the worker holds the only write end: its death shows up as EOF here
-        self._workers[wid] = _Handle(p, inbox, reader, pid=p.pid, last_progress=time.monotonic())
+        self._workers[wid] = WorkerHandle(p, inbox, reader, pid=p.pid, last_progress=time.monotonic())
 
     def _recv(self, timeout: float):
         """The next message from any worker, or None after `timeout` s. A broken pipe (a worker
@@ -452,9 +219,10 @@ class WorkerPool:
                     h.process.kill()
         return None
 
-    def _await(self, kind: str, wids: set[int], timeout: float, version: int | None = None) -> None:
-        """Wait for a `kind` message ("ready" / "updated") from each worker in `wids`, restarting
+    def _await(self, kind: type, wids: set[int], timeout: float, version: int | None = None) -> None:
+        """Wait for a `kind` message (Ready / Updated) from each worker in `wids`, restarting
         any that dies meanwhile (a restarted worker starts at the current version: it counts)."""
+        name = kind.__name__.lower()      # "ready" / "updated", as the messages below say
         deadline = time.monotonic() + timeout
         waiting = set(wids)
         next_check = time.monotonic() + 0.2
@@ -465,66 +233,56 @@ class WorkerPool:
                 hint = (f"; {len(remote)} of them on other nodes: start them with `torchrun --nproc_per_node N -m "
                         f"periodic_async.rollout.remote --connect {getattr(self, 'remote_address', '?')}` and the same "
                         f"PERIODIC_ASYNC_ROLLOUT_KEY") if remote else ""
-                raise WorkerError(f"rollout workers {sorted(waiting)} did not report '{kind}' within {timeout:.0f} s{hint}")
+                raise WorkerError(f"rollout workers {sorted(waiting)} did not report '{name}' within {timeout:.0f} s{hint}")
             if now >= next_check:   # also while other workers keep sending
                 next_check = now + 0.2
                 for wid in list(waiting):
                     h = self._workers[wid]
                     if h.remote:
                         if h.reader is None and h.process is None and h.inbox is not None:
-                            self._vacate(wid, f"lost its connection while the pool waited for '{kind}'")
-                        if self._workers[wid].reader is None and (kind != "ready" or self._started):
+                            self._vacate(wid, f"lost its connection while the pool waited for '{name}'")
+                        if self._workers[wid].reader is None and (kind is not Ready or self._started):
                             waiting.discard(wid)     # it gets the current weights when it reconnects
                         continue
                     if not h.process.is_alive():
-                        self._restart(wid, f"died while the pool waited for '{kind}'")
-                        self._await("ready", {wid}, self.startup_timeout_s)
+                        self._restart(wid, f"died while the pool waited for '{name}'")
+                        self._await(Ready, {wid}, self.startup_timeout_s)
                         waiting.discard(wid)
             msg = self._recv(0.2)
             if msg is None:
                 continue
             self._handle_side_message(msg)
-            if msg[0] == kind and msg[1] in waiting and (version is None or msg[-1] == version):
-                waiting.discard(msg[1])
-            elif msg[0] == "ready" and kind == "updated" and msg[1] in waiting and msg[-1] == version:
-                waiting.discard(msg[1])     # restarted mid-update: it loaded the new weights at start
-            elif msg[0] == "results":
+            if isinstance(msg, kind) and msg.wid in waiting and (version is None or msg.version == version):
+                waiting.discard(msg.wid)
+            elif isinstance(msg, Ready) and kind is Updated and msg.wid in waiting and msg.version == version:
+                waiting.discard(msg.wid)    # restarted mid-update: it loaded the new weights at start
+            elif isinstance(msg, Results):
                 self._stash.append(msg)     # results that arrived while waiting: results() takes them
 
     def _handle_side_message(self, msg) -> None:
-        if msg[0] == "error":
-            raise WorkerError(msg[2])
-        if msg[0] in ("updated", "ready") and self._awaiting and msg[-1] == self.version:
+        if isinstance(msg, Error):
+            raise WorkerError(msg.text)
+        if isinstance(msg, (Updated, Ready)) and self._awaiting and msg.version == self.version:
             with self._lock:      # an ack of a posted update (a restarted worker starts with it)
-                self._awaiting.discard(msg[1])
+                self._awaiting.discard(msg.wid)
                 if not self._awaiting:
                     self.applied_version = self.version
                     self._acked.set()
-        if msg[0] == "placed":
-            self.placed[msg[1]] = msg[2]
-        elif msg[0] == "ready":
-            h = self._workers[msg[1]]
+        if isinstance(msg, Placed):
+            self.placed[msg.wid] = msg.info
+        elif isinstance(msg, Ready):
+            h = self._workers[msg.wid]
             if not h.remote:
-                h.pid = msg[2]
+                h.pid = msg.pid
             if self.settings.weight_sync == "broadcast":
-                self._pair_with(msg[1])
+                self._pair_with(msg.wid)
             h.ready = True
             if self._pending:          # requests that waited for a connected worker
                 pending, self._pending = self._pending, []
                 self.dispatch(pending)
-        elif msg[0] not in ("results", "updated", "placed"):
+        elif not isinstance(msg, (Results, Updated)):
             # e.g. a worker running other code than the trainer (files changed under a running job)
-            raise WorkerError(f"unexpected message {msg[0]!r} from rollout worker {msg[1]}")
-
-    def _pair_with(self, wid: int) -> None:
-        """Broadcast sync: join a (re)started worker's pair group and send it the current weights
-        unless it starts from them (the checkpoint at version 0)."""
-        from . import weight_sync
-        group = weight_sync.pair_group(self.settings.backend, self._store, None, self._keys[wid], rank=0,
-                                       timeout_s=self.startup_timeout_s)
-        self._pairs[wid] = group
-        if self.version > 0 or self.settings.load_format == "dummy":
-            weight_sync.send_weights(group, self.settings.backend, self._buf, self._plan)
+            raise WorkerError(f"unexpected message {type(msg).__name__} from rollout worker {getattr(msg, 'wid', '?')}")
 
     def _restart(self, wid: int, why: str) -> None:
         h = self._workers[wid]
@@ -539,10 +297,6 @@ class WorkerPool:
             h.reader.close()
         self.restarts += 1
         self._spawn(wid)
-
-    def kill_worker(self, wid: int) -> None:
-        """Testing aid: SIGKILL a worker, as a crash would."""
-        os.kill(self._workers[wid].pid, signal.SIGKILL)
 
     # ------------------------------------------------------------------ generation
     def dispatch(self, requests: list[RolloutRequest]) -> None:
@@ -572,14 +326,14 @@ class WorkerPool:
         now = time.monotonic()
         for wid, reqs in per_worker.items():
             self._workers[wid].last_progress = now
-            self._workers[wid].inbox.put(("generate", reqs))
+            self._workers[wid].inbox.put(Generate(reqs))
 
     def results(self) -> Iterator[RolloutResult]:
         """Results of everything dispatched, as they arrive, each exactly once."""
         while self._owner or self._pending:
             yield from self.poll(0.2)
         self._requests.clear()
-        self.dropped_results += sum(len(m[2]) for m in self._stash)   # duplicates of delivered samples
+        self.dropped_results += sum(len(m.results) for m in self._stash)   # duplicates of delivered samples
         self._stash.clear()
 
     def poll(self, timeout: float = 0.2) -> list[RolloutResult]:
@@ -593,12 +347,12 @@ class WorkerPool:
         if msg is None:
             return []
         self._handle_side_message(msg)
-        if msg[0] != "results":
+        if not isinstance(msg, Results):
             return []
-        wid, out = msg[1], []
-        for r in msg[2]:
+        wid, out = msg.wid, []
+        for r in msg.results:
             key = (r.group_index, r.sample_index)
-            if self._owner.get(key) is None or not self.staleness.admit(r.policy_version, self.version):
+            if self._owner.get(key) is None or not self._admit(r.policy_version, self.version):
                 self.dropped_results += 1     # a late duplicate, or from a policy the rule refuses
                 continue
             del self._owner[key]
@@ -626,7 +380,7 @@ class WorkerPool:
             with self._lock:    # a (re)starting worker reads the weights buffer
                 self._restart(wid, "died" if dead else f"made no progress for {self.worker_timeout_s:.0f} s")
                 if not h.remote:
-                    self._await("ready", {wid}, self.startup_timeout_s)
+                    self._await(Ready, {wid}, self.startup_timeout_s)
             by_group: dict[int, list[int]] = {}
             for g, k in owed:
                 by_group.setdefault(g, []).append(k)
@@ -638,64 +392,6 @@ class WorkerPool:
             log.warning("re-dispatching %d samples of %d groups from worker %d", len(owed), len(by_group), wid)
             self.dispatch(again)
 
-    # ------------------------------------------------------------------ weights
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Write the new weights into the shared buffer, then wait until every worker has them."""
-        # a remote worker that connected but is not ready yet was given the previous version: it
-        # must be paired (and hold those weights) before the update below can reach it
-        joining = {wid for wid, h in enumerate(self._workers) if h.remote and h.reader is not None and not h.ready}
-        if joining:
-            self._await("ready", joining, self.startup_timeout_s)
-        self._write_buffer(named_tensors)
-        self.version = version
-        for h in self._workers:
-            if h.inbox is not None:
-                h.inbox.put(("update", version))
-        if self.settings.weight_sync == "broadcast":
-            from . import weight_sync
-            for wid in list(self._pairs):
-                try:
-                    weight_sync.send_weights(self._pairs[wid], self.settings.backend, self._buf, self._plan)
-                except RuntimeError as e:   # the worker died: its restart receives version `version`
-                    self._restart(wid, f"failed during the weight broadcast ({e})")
-        self._await("updated", {wid for wid, h in enumerate(self._workers) if not h.remote or h.reader is not None},
-                    self.startup_timeout_s, version=version)
-        self.applied_version = version
-
-    def post_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Asynchronous update (trainer.mode async; the shm sync only): once every worker holds the
-        previous posted version, write these weights into the buffer and tell every worker; returns
-        without waiting for them. Workers take the update between two decode steps (an
-        interruptible engine) or once drained; `poll`, on the thread that reads the workers,
-        collects the acks and advances `applied_version`."""
-        if self.settings.weight_sync != "shm":
-            raise ValueError("post_weights: asynchronous updates need weight_sync 'shm'")
-        if not self._acked.wait(self.startup_timeout_s):
-            raise WorkerError(f"rollout workers {sorted(self._awaiting)} did not take weights version {self.version} "
-                              f"within {self.startup_timeout_s:.0f} s")
-        with self._lock:
-            self._write_buffer(named_tensors)
-            self.version = version
-            self._awaiting = {wid for wid, h in enumerate(self._workers) if h.inbox is not None}
-            self._acked.clear()
-            for wid in self._awaiting:
-                self._workers[wid].inbox.put(("update", version))
-
-    def _write_buffer(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy a full set of HF-layout tensors into the shared buffer (all names of the layout)."""
-        expected = dict(self.layout)
-        views = dict(_views(self._buf, self.layout))
-        seen = set()
-        for name, t in named_tensors:
-            if name not in views:
-                raise KeyError(f"rollout weight sync: workers have no parameter '{name}'")
-            if tuple(t.shape) != expected[name]:
-                raise ValueError(f"rollout weight sync: '{name}' has shape {tuple(t.shape)}, workers expect {expected[name]}")
-            views[name].copy_(t)
-            seen.add(name)
-        if seen != set(views):
-            raise KeyError(f"rollout weight sync: no tensor received for {sorted(set(views) - seen)[:5]}")
-
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
         if self._closed:
@@ -704,7 +400,7 @@ class WorkerPool:
         for h in self._workers:
             if h is not None and h.inbox is not None and h.alive():
                 try:
-                    h.inbox.put(("stop",))
+                    h.inbox.put(Stop())
                 except (OSError, ValueError):
                     pass
         if self._listener is not None:
