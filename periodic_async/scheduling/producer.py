@@ -239,7 +239,8 @@ class Producer:
         if step in self._batches:
             self._batches[step].open_requests += len(requests)
         if wire:
-            self.pool.dispatch(wire)
+            with self._pool_lock:
+                self.pool.dispatch(wire)
 
     def _deliver(self, results: list[RolloutResult]) -> None:
         """File each result under its request; score the requests these results completed (one
