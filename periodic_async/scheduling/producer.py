@@ -96,6 +96,10 @@ class Producer:
         self._pool_lock = threading.Lock()              # one reader of the pool at a time
         self._error: BaseException | None = None
         self._stop = threading.Event()
+        # set by the trainer's side when the producer may have something to do (new weights, a
+        # group taken, validation): an idle producer thread sleeps on it instead of polling, which
+        # would take the GIL from the trainer hundreds of times a second
+        self._wake = threading.Event()
         self._stats = RolloutStats()
         # started by the trainer's first request (batch, generate_eval), not here: whatever is
         # set up after construction (a resumed planner's state, the colocated engine's weights)
@@ -133,6 +137,7 @@ class Producer:
                 raise item
             with self._cond:
                 self._waiting -= 1
+            self._wake.set()
             yield item
 
     def batch_done(self, step: int) -> tuple[RolloutStats, dict]:
@@ -158,9 +163,10 @@ class Producer:
     def update_weights(self, named_tensors, version: int) -> None:
         if self.mode.max_staleness > 0:
             self.pool.post_weights(named_tensors, version)
-            return
-        with self._pool_lock:       # the producer thread polls nothing meanwhile: the batch is over
-            self.pool.update_weights(named_tensors, version)
+        else:
+            with self._pool_lock:       # the producer thread polls nothing meanwhile: the batch is over
+                self.pool.update_weights(named_tensors, version)
+        self._wake.set()
 
     def generate_eval(self, requests: list[RolloutRequest]) -> list[RolloutResult]:
         """Validation requests, generated once every engine holds the newest weights, beside any
@@ -169,6 +175,7 @@ class Producer:
         done = threading.Event()
         self._evals.put((requests, results, done))
         self._ensure_started()
+        self._wake.set()
         while not done.wait(0.1):
             if self._error is not None:
                 raise self._error
@@ -176,6 +183,7 @@ class Producer:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread.ident is not None:
             self._thread.join(timeout=10)
         self.pool.close()
@@ -190,8 +198,8 @@ class Producer:
                     with self._pool_lock:
                         results = self.pool.poll(0.05)
                     self._deliver(results)
-                else:
-                    time.sleep(0.002)
+                elif self._wake.wait(0.1):
+                    self._wake.clear()      # then look again: whatever set it is seen above
         except BaseException as e:  # noqa: BLE001 - raised in the trainer by batch() / groups()
             with self._cond:
                 self._error = e
