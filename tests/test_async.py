@@ -219,6 +219,35 @@ def test_resumed_async_run_loses_and_repeats_no_prompt(async_run, tmp_path):
     assert sorted(first + second, key=key) == sorted(want, key=key)
 
 
+def test_async_with_broadcast_sync_keeps_the_bound_and_survives_a_killed_worker(tmp_path):
+    """rollout.weight_sync=broadcast (the cross-node path: a process group per worker, small
+    buckets) in async mode: the pool publishes a version without waiting, a worker that takes it
+    mid-generation says so and is sent the buffer by a sender thread; worker 1 SIGKILLed right
+    after version 2 is published is restarted (paired again, sent version 2) and its samples are
+    re-dispatched. Every step trains 8 full groups within the bound, and updates reached running
+    responses (the workers were not drained for them)."""
+    killed = {}
+
+    def hook(trainer):
+        assert trainer.producer.pool._sync_address      # the broadcast path is the one in use
+        publish = trainer.producer.update_weights
+
+        def killing_publish(named, version):
+            publish(named, version)
+            if version == 2 and not killed:
+                killed["pid"] = trainer.producer.pool.pids()[1]
+                kill_worker(trainer.producer.pool, 1)
+        trainer.producer.update_weights = killing_publish
+    _, history, _ = _run(tmp_path, "async", *ASYNC, "rollout.weight_sync=broadcast", "actor.export_bucket_mb=0.01",
+                         "rollout.worker_timeout_s=30", hook=hook)
+    assert killed, "the hook never ran"
+    assert len(history) == 6 and history[-1]["rollouter/restarts"] == 1
+    assert all(h["rollout/generated"] == 32 for h in history)
+    stale = [h["training/off_policy/trajectory_staleness/max"] for h in history]
+    assert max(stale) <= 2 and max(stale) > 0, stale
+    assert any(h["rollout/interrupted_ratio"] > 0 for h in history)
+
+
 def test_drained_workers_give_one_version_per_response(tmp_path):
     """rollout.interruptible=false (the path of an engine that cannot take weights mid-flight, e.g.
     vLLM): a worker with an update pending holds new requests, finishes its running responses,
@@ -238,7 +267,6 @@ def test_drained_workers_give_one_version_per_response(tmp_path):
      "rollout.pilot / rollout.backfill: not supported with trainer.mode async and trainer.max_staleness > 0"),
     (["trainer.mode=async", "trainer.max_staleness=1", "rollout.backfill.enabled=true"],
      "rollout.pilot / rollout.backfill: not supported with trainer.mode async and trainer.max_staleness > 0"),
-    (["trainer.mode=async", "rollout.weight_sync=broadcast"], "rollout.weight_sync: trainer.mode async updates"),
 ])
 def test_async_configuration_errors_name_the_key(overrides, message):
     from periodic_async.config import ConfigError, load_config

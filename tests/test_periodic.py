@@ -306,6 +306,30 @@ def test_rollout_node_killed_mid_batch_equals_sync(sync_run, tmp_path, monkeypat
     assert nodes[0].returncode == -signal.SIGKILL, log0[-3000:]
 
 
+def test_async_with_workers_on_a_rollout_node_keeps_the_bound(tmp_path, monkeypatch):
+    """trainer.mode async (eta 2) with every worker on a 'rollout node' (two relays over TCP, the
+    broadcast sync): versions are published without waiting, generation runs ahead and no sample
+    is older than the bound; the node stops cleanly with the pool (an update in flight at the end
+    is finished first: its workers wait for the pool's send)."""
+    monkeypatch.setenv("PERIODIC_ASYNC_ROLLOUT_KEY", ROLLOUT_KEY)
+    port = _free_port()
+    node = _start_rollout_node(port, tmp_path / "node.log")
+    try:
+        trainer, history, _ = _run(
+            tmp_path / "run", "async", "trainer.max_staleness=2", "actor.policy_loss=decoupled_ppo",
+            "rollout.num_workers=0", "rollout.remote_workers=2", f"rollout.remote_address=127.0.0.1:{port}",
+            "rollout.weight_sync=broadcast", "rollout.max_slots=3", "rollout.arrival_jitter_s=0.01")
+        trainer.close()
+        assert len(history) == STEPS and all(h["rollout/generated"] == 32 for h in history)
+        stale = [h["training/off_policy/trajectory_staleness/max"] for h in history]
+        assert max(stale) <= 2 and max(stale) > 0, stale
+        assert node.wait(timeout=60) == 0, (tmp_path / "node.log").read_text()[-3000:]
+    finally:
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+        node.wait(timeout=30)
+
+
 def test_rollout_relays_need_the_key_and_the_pool_names_the_command(tmp_path, monkeypatch):
     from multiprocessing.connection import Listener
 

@@ -276,6 +276,48 @@ def test_each_worker_process_starts_with_the_visible_devices_of_its_placement(mo
     assert {k: os.environ.get(k) for k in before} == before
 
 
+@pytest.mark.parametrize("sync", ["shm", "broadcast"])
+def test_publish_returns_while_workers_generate_and_acks_come_per_worker(model, tmp_path, sync):
+    """The pool's one weight protocol (rollout/pool_weights.py), for the shared-memory and the
+    broadcast sync: `publish` returns at once although the (drained, non-interruptible) worker is
+    generating; the worker finishes its responses under version 0, then takes version 1 and
+    acknowledges, and only then does `applied_version` advance; what it generates afterwards is
+    the new model's (greedy output equal to an engine built from it)."""
+    from periodic_async.models.convert import hf_layout
+    from periodic_async.rollout.worker import WorkerPool, WorkerSettings
+    from periodic_async.scheduling.staleness import StalenessRule
+    path, tok = model
+    other_path, _ = _model_dir(tmp_path / "other", seed=1)
+    other = Qwen2ForCausalLM.from_pretrained(other_path)
+    named = [(n, p.detach().clone()) for n, p in other.named_parameters() if n != "lm_head.weight"]
+    settings = WorkerSettings("cpu", path, tok.pad_token_id, tok.eos_token_id, 8, weight_sync=sync,
+                              bucket_bytes=4096, interruptible=False)
+    pool = WorkerPool(settings, [{"device": "cpu", "cores": None}], hf_layout(arch_from_hf_dir(path)),
+                      staleness=StalenessRule(1))
+    try:
+        long = SamplingParams(temperature=1.0, max_new_tokens=400, ignore_eos=True)
+        pool.dispatch(_requests(tok, long, prompts=PROMPTS[:1], n=4))
+        pool.publish(iter(named), 1)
+        assert (pool.version, pool.applied_version) == (1, 0)      # returned while the worker generates
+        with pytest.raises(RuntimeError, match="not yet applied"):
+            pool.publish(iter(named), 2)
+        seen = []                    # (policy version of each result, applied version when it came)
+        while len(seen) < 4 or pool.applied_version != 1:
+            seen += [(r.policy_version, pool.applied_version) for r in pool.poll(0.2)]
+        assert seen == [(0, 0)] * 4      # drained: its responses end under version 0, then it acks
+        assert pool.wait_applied(0)
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+        pool.dispatch(_requests(tok, greedy))
+        got = []
+        while len(got) < len(PROMPTS):
+            got += pool.poll(0.2)
+        want = {r.group_index: r.response_ids for r in _engine(other_path, tok).generate(_requests(tok, greedy))}
+        assert {r.group_index: r.response_ids for r in got} == want
+        assert {r.policy_version for r in got} == {1}
+    finally:
+        pool.close()
+
+
 def test_ignore_eos_runs_every_response_to_max_new_tokens(model):
     """rollout.ignore_eos: the same seeded draws, but EOS no longer ends a response, so each one is
     exactly max_new_tokens long and starts with what the stopping run produced (EOS included)."""

@@ -350,6 +350,3 @@ def _check_async(cfg) -> None:
                           "trainer.max_staleness > 0 yet: the allocator draws prompts during its step (commits, "
                           "backfills), which would interleave with the next batches' draws; use max_staleness 0 "
                           "or mode periodic")
-    if cfg.rollout.weight_sync != "shm" or cfg.rollout.remote_workers:
-        raise ConfigError("rollout.weight_sync: trainer.mode async updates the workers while they generate, "
-                          "through the shared-memory buffer only (weight_sync: shm, no remote_workers)")

@@ -1,7 +1,7 @@
 """An engine in the trainer's own process behind the rollout pool's interface (mode `sync`), so
 that the producer core (scheduling/producer.py) drives it exactly like worker processes:
-`dispatch(requests)`, `poll()` -> the results finished since, `update_weights(named, version)`
-between batches. The engine serves continuously: requests dispatched while it runs (a pilot's
+`dispatch(requests)`, `poll()` -> the results finished since, `publish(named, version)` between
+batches. The engine serves continuously: requests dispatched while it runs (a pilot's
 commit, a backfill) join the running batch."""
 from __future__ import annotations
 
@@ -47,14 +47,17 @@ class ColocatedPool:
     def forget(self, group_index: int) -> None:
         pass
 
-    def update_weights(self, named_tensors: Iterable, version: int) -> None:
+    def publish(self, named_tensors: Iterable, version: int) -> None:
+        """The engine is this process's: it loads the weights here and now (between batches)."""
         if self._outstanding:
             raise RuntimeError("weights for the colocated engine while it generates: a batch is still in flight")
         self.engine.update_weights(named_tensors, version)
         self.version = self.applied_version = version
 
-    def post_weights(self, named_tensors: Iterable, version: int) -> None:
-        raise RuntimeError("the colocated engine (trainer.mode sync) takes weights between batches only")
+    update_weights = publish
+
+    def wait_applied(self, timeout: float) -> bool:
+        return True
 
     def close(self) -> None:
         self.engine.close()

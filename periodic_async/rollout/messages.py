@@ -4,7 +4,7 @@ torch-free. They cross multiprocessing queues, pipes and `multiprocessing.connec
 so every field is picklable; a relay passes them on unchanged.
 
 Pool -> worker: Generate, Update, Stop.
-Worker -> pool: Placed, Ready, Updated, Results, Error (each names its worker, `wid`).
+Worker -> pool: Placed, Ready, Receiving, Updated, Results, Error (each names its worker, `wid`).
 Relay <-> pool, once per connection: Hello (relay), then Assign or Reject (pool).
 """
 from __future__ import annotations
@@ -44,6 +44,13 @@ class Ready:
     """The engine is built and holds weights `version`; `pid` is the worker process's."""
     wid: int
     pid: int
+    version: int
+
+
+@dataclass(frozen=True)
+class Receiving:
+    """Broadcast sync: the worker now takes weights `version` and waits for the pool's send."""
+    wid: int
     version: int
 
 

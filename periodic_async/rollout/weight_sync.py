@@ -70,9 +70,11 @@ def pair_group(backend: str, store: dist.Store | None, address: str | None, key:
     return get_backend(backend).pair_group(prefixed, rank, 2, timeout_s)
 
 
-def send_weights(group, backend: str, buf: torch.Tensor, plan) -> None:
-    """Pool side: broadcast the flat host buffer to the group's worker, bucket by bucket."""
-    device = get_backend(backend).current_device()
+def send_weights(group, backend: str, buf: torch.Tensor, plan, device: torch.device | None = None) -> None:
+    """Pool side: broadcast the flat host buffer to the group's worker, bucket by bucket. `device`:
+    where the buckets go for the group's backend (default: the calling thread's current device;
+    a sender thread passes the pool's, since a thread's current device is its own)."""
+    device = device if device is not None else get_backend(backend).current_device()
     for start, numel, _ in plan:
         bucket = buf[start:start + numel]
         if device.type != "cpu":

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 from .base import RolloutRequest, RolloutResult
 from .dispatch import least_loaded_worker
-from .messages import Assign, Error, Generate, Placed, Ready, Reject, Results, Stop, Updated, WorkerError
+from .messages import Assign, Error, Generate, Placed, Ready, Receiving, Reject, Results, Stop, Updated, WorkerError
 from .pool_weights import PoolWeights
 from .slots import ConnectionInbox, RelayListener, WorkerHandle
 from .weights_buffer import Layout
@@ -90,16 +90,18 @@ class WorkerPool(PoolWeights):
         self._listener: RelayListener | None = None           # accepts relays (remote_workers)
         self._closed = False
         self._stash: list = []                                # results received while awaiting acks
-        # Updates while workers generate (trainer.mode async): the trainer thread writes the
-        # buffer and posts the version (`post_weights`); the thread that reads the workers'
-        # messages (`poll`) collects the acks. The lock keeps a write and a worker (re)start, which
-        # reads the buffer, apart; `_acked` is set once every worker holds `applied_version`.
+        # Weight updates (pool_weights.py): `publish` writes the buffer and posts the version;
+        # the thread that reads the workers' messages (`poll`) collects the acks. The lock keeps
+        # a write and a worker (re)start, which reads the buffer, apart; `_acked` is set once
+        # every worker holds `version` (then applied_version == version).
         import threading
         self._lock = threading.RLock()
         self._acked = threading.Event()
         self._acked.set()
         self._awaiting: set[int] = set()
         self.applied_version = initial_version
+        self._senders: dict[int, threading.Thread] = {}     # broadcast sync: wid -> its send of `version`
+        self._send_failed: set[int] = set()                 # broadcast sends that failed: restart those
         self._next_check = 0.0
         if initial_weights is not None:
             self._write_buffer(initial_weights)
@@ -115,6 +117,8 @@ class WorkerPool(PoolWeights):
         if settings.weight_sync == "broadcast":
             from . import weight_sync
             self._store, self._sync_address = weight_sync.serve_store()
+            from ..backend import get_backend
+            self._sync_device = get_backend(settings.backend).current_device()   # the sender threads' device
             self._plan = weight_sync.bucket_plan(layout, settings.bucket_bytes, self._buf.element_size())
         try:
             if remote_workers:
@@ -173,6 +177,8 @@ class WorkerPool(PoolWeights):
             h.reader.close()
         self._pairs.pop(wid, None)
         self._workers[wid] = WorkerHandle(None, None, None, remote=True)
+        if wid in self._awaiting:
+            self._on_ack(wid)       # it is sent the current weights when a relay takes the slot
 
     # ------------------------------------------------------------------ processes
     def _spawn(self, wid: int) -> None:
@@ -262,13 +268,11 @@ class WorkerPool(PoolWeights):
     def _handle_side_message(self, msg) -> None:
         if isinstance(msg, Error):
             raise WorkerError(msg.text)
-        if isinstance(msg, (Updated, Ready)) and self._awaiting and msg.version == self.version:
-            with self._lock:      # an ack of a posted update (a restarted worker starts with it)
-                self._awaiting.discard(msg.wid)
-                if not self._awaiting:
-                    self.applied_version = self.version
-                    self._acked.set()
-        if isinstance(msg, Placed):
+        if isinstance(msg, (Updated, Ready)) and self._awaiting:
+            self._on_ack(msg.wid, msg.version)     # an ack of a published update (a restarted worker starts with it)
+        if isinstance(msg, Receiving):
+            self._send_to(msg.wid, msg.version)
+        elif isinstance(msg, Placed):
             self.placed[msg.wid] = msg.info
         elif isinstance(msg, Ready):
             h = self._workers[msg.wid]
@@ -280,7 +284,7 @@ class WorkerPool(PoolWeights):
             if self._pending:          # requests that waited for a connected worker
                 pending, self._pending = self._pending, []
                 self.dispatch(pending)
-        elif not isinstance(msg, (Results, Updated)):
+        elif not isinstance(msg, (Results, Updated, Receiving)):
             # e.g. a worker running other code than the trainer (files changed under a running job)
             raise WorkerError(f"unexpected message {type(msg).__name__} from rollout worker {getattr(msg, 'wid', '?')}")
 
@@ -375,10 +379,14 @@ class WorkerPool(PoolWeights):
                 continue              # a vacant slot
             dead = not h.alive()
             stuck = owed and now - h.last_progress > self.worker_timeout_s
-            if not (dead or stuck):
+            failed = wid in self._send_failed
+            if not (dead or stuck or failed):
                 continue
+            self._send_failed.discard(wid)
+            why = "died" if dead else ("lost its weight broadcast" if failed else
+                                       f"made no progress for {self.worker_timeout_s:.0f} s")
             with self._lock:    # a (re)starting worker reads the weights buffer
-                self._restart(wid, "died" if dead else f"made no progress for {self.worker_timeout_s:.0f} s")
+                self._restart(wid, why)
                 if not h.remote:
                     self._await(Ready, {wid}, self.startup_timeout_s)
             by_group: dict[int, list[int]] = {}
@@ -397,6 +405,14 @@ class WorkerPool(PoolWeights):
         if self._closed:
             return
         self._closed = True
+        if self._awaiting and self._started:
+            # a published version still being taken: a broadcast-sync worker that said Receiving
+            # waits for our send (which only reading its messages starts); let them finish
+            try:
+                self._await(Updated, set(self._awaiting), min(60.0, self.startup_timeout_s), version=self.version)
+            except Exception as e:  # noqa: BLE001 - closing anyway; the workers are stopped or killed below
+                log.warning("closing the rollout pool with weights version %d not taken by every worker (%s)",
+                            self.version, e)
         for h in self._workers:
             if h is not None and h.inbox is not None and h.alive():
                 try:

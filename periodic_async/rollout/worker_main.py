@@ -22,7 +22,7 @@ import torch
 
 from ..lifetime import die_with_parent
 from .base import RolloutRequest
-from .messages import Error, Generate, Placed, Ready, Results, Stop, Update, Updated
+from .messages import Error, Generate, Placed, Ready, Receiving, Results, Stop, Update, Updated
 from .weights_buffer import Layout, engine_weights
 
 
@@ -136,9 +136,13 @@ def run_worker(wid: int, settings: WorkerSettings, placement: dict, inbox, outbo
             elif isinstance(msg, Stop):
                 state["stop"] = True
                 break
-        if state["update"] is not None and (interrupt or (idle and not new)):
+        if state["update"] is not None and not state["stop"] and (interrupt or (idle and not new)):
             v = state["update"]
-            engine.update_weights(engine_weights(buf, layout) if sync is None else receive(), v)
+            if sync is None:
+                engine.update_weights(engine_weights(buf, layout), v)
+            else:       # the pool sends once it hears this (it never waits on our generation)
+                outbox.send(Receiving(wid, v))
+                engine.update_weights(receive(), v)
             state["update"] = None
             outbox.send(Updated(wid, v))
             new += held

@@ -15,9 +15,10 @@ the order they are released), `batch_done(step)` (the rollout statistics and the
 sizer's metrics), `update_weights(named, version)`, `planner_state(step)` for a checkpoint after
 `step`, `generate_eval(requests)` for validation, `close()`.
 
-Weights: with eta = 0 `update_weights` returns once every engine holds the version (nothing is
-generating then: the batch is over and the next one waits for these weights); with eta > 0 they
-are posted and the workers take them mid-generation (every token tagged with its version).
+Weights: `update_weights` publishes a version and returns; the engines take it (with eta = 0
+nothing is generating then: the batch is over and the next one waits for these weights; with eta >
+0 the workers take it mid-generation, every token tagged with its version) and this thread
+collects their acknowledgements.
 """
 from __future__ import annotations
 
@@ -79,13 +80,15 @@ class Producer:
     """The one producer core (module docstring). `pool`: rollout/worker.WorkerPool or
     rollout/colocated.ColocatedPool; `planner`: plan.BatchPlanner, whose state this thread owns
     while it runs; `prompt_counts()`: the skipped / truncated prompts since the last call;
-    `queue_size`: no further batch is dispatched while this many groups wait for the trainer."""
+    `queue_size`: no further batch is dispatched while this many groups wait for the trainer;
+    `weights_timeout_s`: how long a new version may wait for the engines to take the previous one."""
 
     def __init__(self, pool, scorer: Scorer, planner, mode: Mode, first_step: int, last_step: int,
-                 prompt_counts, queue_size: int = 1024):
+                 prompt_counts, queue_size: int = 1024, weights_timeout_s: float = 600.0):
         self.pool, self.scorer, self.planner, self.mode = pool, scorer, planner, mode
         self.rule = mode.staleness
         self._next, self._last, self._prompt_counts, self._queue_size = first_step, last_step, prompt_counts, queue_size
+        self._weights_timeout_s = weights_timeout_s
         self._batches: dict[int, _Batch] = {}
         self._waiting = 0                                # groups handed over, not yet taken by the trainer
         self._owner: dict[tuple[int, int], tuple[int, RolloutRequest]] = {}   # pool key -> (step, request)
@@ -161,11 +164,20 @@ class Producer:
             return b.planner_state if b is not None else copy.deepcopy(self.planner.state_dict())
 
     def update_weights(self, named_tensors, version: int) -> None:
-        if self.mode.max_staleness > 0:
-            self.pool.post_weights(named_tensors, version)
-        else:
-            with self._pool_lock:       # the producer thread polls nothing meanwhile: the batch is over
-                self.pool.update_weights(named_tensors, version)
+        """Publish `version` to the engines (rollout/pool_weights.py: one protocol for every mode
+        and sync) and return; this thread collects the acknowledgements, and batches wait for
+        them as the staleness rule says. Waits first until the previous version is applied (its
+        buffer is rewritten) - with eta = 0 it always is: the batch that needed it is trained."""
+        self._wake.set()
+        deadline = time.monotonic() + self._weights_timeout_s
+        while not self.pool.wait_applied(0.1):
+            if self._error is not None:
+                raise self._error
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rollout engines did not take weights version {self.pool.version} within "
+                                   f"{self._weights_timeout_s:.0f} s")
+        with self._pool_lock:       # the producer thread reads the pool's messages only around this
+            self.pool.publish(named_tensors, version)
         self._wake.set()
 
     def generate_eval(self, requests: list[RolloutRequest]) -> list[RolloutResult]:
