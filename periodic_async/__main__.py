@@ -19,7 +19,7 @@ def _quiet_third_party() -> None:
     # fallback; they are optional here, and one line says so (main, once the Trainer is built).
     # Its FSDP package logs at INFO that it found Megatron-core and no Transformer Engine: FSDP is
     # not used.
-    from .backend import quiet_megatron_fallbacks
+    from .backend_setup import quiet_megatron_fallbacks
     quiet_megatron_fallbacks()
     warnings.filterwarnings("ignore", message=r".*Apex is not installed.*")
     logging.getLogger("megatron.core.distributed.fsdp").setLevel(logging.WARNING)
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted during set-up", file=sys.stderr)
         return 130
     # said once the set-up stands (an input error above stays the one line a failed start prints)
-    from .backend import megatron_fallback_note
+    from .backend_setup import megatron_fallback_note
     note = megatron_fallback_note()
     if note and int(os.environ.get("RANK", "0")) == 0:
         logging.getLogger("periodic_async").info(note)

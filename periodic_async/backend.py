@@ -1,9 +1,10 @@
-"""THE device layer: every device-specific line of the project lives here.
+"""THE device layer: every device-specific line of the project lives here and in
+backend_setup.py (the device stack's set-up, applied once per process by `get_backend`: the CPU
+shims for Megatron-core, the CUDA check, torch_npu and MindSpeed's adaptor).
 
 A `Backend` is chosen by name (`cpu`, `cuda`, `npu`) and owns:
 - the torch device and the process-group backend (gloo / nccl / hccl),
-- the Megatron-core set-up that differs per device (the CPU shims, MindSpeed's NPU adaptor,
-  the model-parallel RNG tracker),
+- Megatron-core's model-parallel groups and RNG tracker,
 - the attention implementation name used by the shared-prompt kernels,
 - where trainer ranks and rollout workers run (placements, a worker's visible devices),
 - host buffers (pinned on accelerators) and the stateless pair groups of the weight sync.
@@ -20,12 +21,10 @@ dist.all_reduce and parses sys.argv - none of which belongs in a vLLM process.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import socket
 import sys
 import threading
-import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -33,12 +32,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .backend_setup import BackendUnavailable, apply_cpu_megatron_shims, setup_cuda, setup_npu
 
 _SPAWN_ENV_LOCK = threading.Lock()
-
-
-class BackendUnavailable(RuntimeError):
-    """The requested backend cannot run on this machine; the message says what to install."""
 
 
 @dataclass(frozen=True)
@@ -335,123 +331,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# ---------------------------------------------------------------------- per-device set-up
-
-# Megatron-core warns at import, once per module that has a fallback (four of them), in every
-# process that imports it, when neither Transformer Engine nor Apex is installed; the fallbacks
-# are what the cpu backend runs on. `quiet_megatron_fallbacks` filters exactly these warnings;
-# the CLI says the fact once instead (`megatron_fallback_note`).
-MEGATRON_FALLBACK_WARNING = r"Transformer Engine and Apex are not installed\. Falling back to"
-
-
-def quiet_megatron_fallbacks() -> None:
-    """Filter Megatron-core's 'Transformer Engine and Apex are not installed. Falling back to ...'
-    warnings in this process (by message; every other warning still shows)."""
-    warnings.filterwarnings("ignore", message=MEGATRON_FALLBACK_WARNING, category=UserWarning)
-
-
-def megatron_fallback_note() -> Optional[str]:
-    """One line saying which of Apex / Transformer Engine is missing (None when both are there)."""
-    missing = [name for name, module in (("Apex", "apex"), ("Transformer Engine", "transformer_engine"))
-               if importlib.util.find_spec(module) is None]
-    if not missing:
-        return None
-    if len(missing) == 1:
-        return f"{missing[0]} is not installed (optional; Megatron-core uses what is there)"
-    return ("Apex and Transformer Engine are not installed: Megatron-core uses its local fallbacks (torch "
-            "optimizers, local multi-tensor kernels)")
-
-
-_CPU_SHIM_APPLIED = False
-
-
-def _apply_cpu_megatron_shims() -> None:
-    """Megatron-core assumes CUDA. On CPU, map the CUDA calls it makes onto the CPU device - the
-    same idea as torch_npu's `transfer_to_npu` on Ascend:
-    - `torch.cuda.current_device()` is passed as a `device=` in ~580 places: return "cpu";
-    - `torch.cuda.synchronize()` (pipeline p2p) becomes a no-op;
-    - `Tensor.cuda()` returns the tensor itself; `torch.zeros(device="cuda")` and the like in the
-      pipeline schedules and the gradient-norm code (optimizer/clip_grads, utils) are made on CPU.
-    Applied once, idempotent, only for the cpu backend."""
-    global _CPU_SHIM_APPLIED
-    if _CPU_SHIM_APPLIED:
-        return
-    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
-    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
-    # With PP > 1 and tied embeddings, the last stage's copy is moved with `.cuda()` before its
-    # first all-reduce: on the cpu backend a tensor already is where it should be (transfer_to_npu
-    # maps the same call to the NPU).
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[assignment]
-    # The pipeline schedules count tokens in `torch.zeros(..., device="cuda")`: give that module
-    # a torch whose factory functions map "cuda" to the CPU (nothing else changes). Rollout workers
-    # import Megatron-core here only: its fallback warnings are filtered first.
-    quiet_megatron_fallbacks()
-    import megatron.core.utils as mcore_utils
-    from megatron.core.optimizer import clip_grads
-    from megatron.core.pipeline_parallel import schedules
-    for module in (schedules, clip_grads, mcore_utils):
-        module.torch = _CpuDeviceTorch()
-    _CPU_SHIM_APPLIED = True
-
-
-class _CpuDeviceTorch:
-    """`torch` as seen by Megatron's schedules on the cpu backend: device="cuda" becomes "cpu"."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def _cpu(kwargs):
-        if str(kwargs.get("device", "")).startswith("cuda"):
-            kwargs["device"] = "cpu"
-        return kwargs
-
-    def zeros(self, *args, **kwargs):
-        return torch.zeros(*args, **self._cpu(kwargs))
-
-    def ones(self, *args, **kwargs):
-        return torch.ones(*args, **self._cpu(kwargs))
-
-    def empty(self, *args, **kwargs):
-        return torch.empty(*args, **self._cpu(kwargs))
-
-    def tensor(self, *args, **kwargs):
-        return torch.tensor(*args, **self._cpu(kwargs))
-
-
-def _setup_cuda() -> None:
-    if not torch.cuda.is_available():
-        raise BackendUnavailable(
-            "backend 'cuda' needs a CUDA build of torch and a visible NVIDIA GPU "
-            f"(torch {torch.__version__}, torch.cuda.is_available() is False); install the CUDA torch "
-            "wheel for your driver (pip install torch==<version> --index-url <your CUDA wheel index>) "
-            "or run with --backend cpu")
-
-
-def _setup_npu(patch_megatron: bool) -> None:
-    # torch_npu registers the 'npu' device; MindSpeed's adaptor patches Megatron-core for Ascend
-    # (trainer processes only: see the module docstring).
-    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "1")
-    try:
-        import torch_npu  # noqa: F401
-    except ImportError as e:
-        raise BackendUnavailable(
-            f"backend 'npu' needs torch_npu with CANN ({e}); on an Ascend 910B node source "
-            "/usr/local/Ascend/ascend-toolkit/set_env.sh and `pip install torch-npu==2.7.1` "
-            "(see docs/running-on-910b.md)") from None
-    if not torch.npu.is_available():  # type: ignore[attr-defined]
-        raise BackendUnavailable("backend 'npu': torch_npu imported but no NPU is visible "
-                                 "(check ASCEND_RT_VISIBLE_DEVICES and `npu-smi info`)")
-    if not patch_megatron:
-        return
-    try:
-        import mindspeed.megatron_adaptor  # noqa: F401
-    except ImportError as e:
-        raise BackendUnavailable(
-            f"backend 'npu' needs MindSpeed ({e}); install it from source (gitcode Ascend/MindSpeed, "
-            "branch matching your Megatron-core; see docs/running-on-910b.md)") from None
-
-
 _BACKENDS = {
     "cpu": Backend("cpu", "gloo", attention_impl="sdpa"),
     "cuda": Backend("cuda", "nccl", attention_impl="flex"),
@@ -484,11 +363,11 @@ def get_backend(name: str, role: str | None = None) -> Backend:
         raise RuntimeError("get_backend('npu', role='rollout') in a process that already imported "
                            "mindspeed.megatron_adaptor (a trainer set-up)")
     if name == "cpu":
-        _apply_cpu_megatron_shims()
+        apply_cpu_megatron_shims()
     elif name == "cuda":
-        _setup_cuda()
+        setup_cuda()
     else:
-        _setup_npu(patch_megatron=role == "trainer")
+        setup_npu(patch_megatron=role == "trainer")
     _ACTIVE = _BACKENDS[name]
     _ROLE = role
     return _ACTIVE

@@ -273,7 +273,7 @@ def generate_reference(engine, requests):
     """What an HFRolloutEngine (rollout/hf_engine.py) generates for `requests`, the slow, simple
     way: `reference_generate`, one sequence at a time, with the engine's model and policy version."""
     from periodic_async.rollout.base import RolloutResult
-    from periodic_async.rollout.hf_engine import reference_generate
+    from periodic_async.rollout.sampling import reference_generate
     out = []
     for r in requests:
         for k in r.samples():

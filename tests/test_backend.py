@@ -236,7 +236,7 @@ def test_megatron_fallback_warnings_are_filtered_by_message_only():
     """Megatron-core's 'Transformer Engine and Apex are not installed. Falling back to ...' import
     warnings are dropped (every process that imports it printed four); any other warning shows."""
     import warnings
-    from periodic_async.backend import megatron_fallback_note, quiet_megatron_fallbacks
+    from periodic_async.backend_setup import megatron_fallback_note, quiet_megatron_fallbacks
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         quiet_megatron_fallbacks()

@@ -180,7 +180,7 @@ def test_startup_says_each_fact_once(tmp_path):
     reward worker) are gone; the fallback is said once."""
     import subprocess
     import sys
-    from periodic_async.backend import megatron_fallback_note
+    from periodic_async.backend_setup import megatron_fallback_note
     proc = subprocess.run(
         [sys.executable, "-m", "periodic_async", "--config", "configs/default.yaml", "trainer.total_steps=1",
          f"trainer.run_dir={tmp_path / 'run'}", "trainer.progress_bar=false", "trainer.save_final=false",

@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / PACKAGE
 # Lowest first; a module belongs to the first entry that is its name or a package above it.
 LAYERS = [
     ("utilities", ["periodic_async", "periodic_async.errors", "periodic_async.lifetime", "periodic_async.netaddr"]),
-    ("backend", ["periodic_async.backend"]),
+    ("backend", ["periodic_async.backend", "periodic_async.backend_setup"]),
     ("models", ["periodic_async.models"]),
     ("algo", ["periodic_async.algo"]),
     ("config", ["periodic_async.config"]),

@@ -156,8 +156,8 @@ def test_fast_spec_equals_local_spec(name, mask_kind, model_dirs, megatron_tp1, 
     (causal layers) and an explicit padding mask; so do the shared-prompt model on plain masks
     and SDPA in Megatron's own layers (fast_layers=False)."""
     import megatron.core.transformer.attention as mc_attention
+    from kernels.fast_layers.megatron import RMSNorm
     from kernels.shared_prompt.megatron import SDPACoreAttention
-    from periodic_async.models import mcore
     path = model_dirs[name]
     mb = _padded_micro_batch()
     masks = {"causal": mb.attention_mask, "none": None, "padding": _padding_mask(mb)}
@@ -172,8 +172,8 @@ def test_fast_spec_equals_local_spec(name, mask_kind, model_dirs, megatron_tp1, 
         layer = fast.decoder.layers[0]
         assert isinstance(layer.self_attention.core_attention, SDPACoreAttention)
         assert (type(layer.mlp).__name__ == "SwiGLUMLP") == fast_layers
-        assert isinstance(layer.input_layernorm, mcore.RMSNorm) == fast_layers
-        assert isinstance(fast.decoder.final_layernorm, mcore.RMSNorm) == fast_layers
+        assert isinstance(layer.input_layernorm, RMSNorm) == fast_layers
+        assert isinstance(fast.decoder.final_layernorm, RMSNorm) == fast_layers
 
         def no_megatron_rope(*a, **k):
             raise AssertionError("the fast path ran Megatron's RoPE")
@@ -189,7 +189,7 @@ def test_fast_spec_equals_local_spec(name, mask_kind, model_dirs, megatron_tp1, 
 
 def test_rotary_function_equals_megatron_rope():
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
-    from periodic_async.models.mcore import RotaryFunction, rope_tables
+    from kernels.fast_layers.autograd import RotaryFunction, rope_tables
     g = torch.Generator().manual_seed(0)
     for batch in (1, 3):      # one table for all rows, and per-token tables (shared prompt)
         f = torch.rand(6, batch, 1, 4, generator=g, dtype=torch.float64) * 5
@@ -205,7 +205,7 @@ def test_rotary_function_equals_megatron_rope():
 
 def test_swiglu_function_equals_autograd():
     import torch.nn.functional as F
-    from periodic_async.models.mcore import SwiGLUFunction
+    from kernels.fast_layers.autograd import SwiGLUFunction
     g = torch.Generator().manual_seed(0)
     y = torch.randn(5, 3, 16, generator=g, requires_grad=True)
     up = torch.randn(5, 3, 8, generator=g)
@@ -219,7 +219,7 @@ def test_swiglu_function_equals_autograd():
 
 
 def test_rms_norm_function_equals_torch():
-    from periodic_async.models.mcore import RMSNormFunction
+    from kernels.fast_layers.autograd import RMSNormFunction
     g = torch.Generator().manual_seed(0)
     x = (3 * torch.randn(5, 3, 16, generator=g)).requires_grad_()
     w = torch.randn(16, generator=g).requires_grad_()

@@ -13,7 +13,8 @@ from periodic_async.models.mcore import arch_from_hf_dir
 from periodic_async.models.tiny import tiny_hf_config
 from periodic_async.models.tokenizer import build_char_tokenizer, mark_char_tokenizer
 from periodic_async.rollout.base import RolloutRequest, SamplingParams
-from periodic_async.rollout.hf_engine import HFRolloutEngine, _filter_logits, _filter_logits_batch, _inverse_cdf
+from periodic_async.rollout.hf_engine import HFRolloutEngine
+from periodic_async.rollout.sampling import filter_logits, filter_logits_batch, inverse_cdf
 
 from helpers import generate_reference
 
@@ -195,27 +196,27 @@ def test_batched_filter_equals_the_per_row_filter():
     logits[3, :10] = 2.0                            # ties at the top-k boundary are all kept
     ks = [-1, 1, 5, 50, 100, 10, 3]
     ps = [1.0, 0.5, 0.9, 0.3, 1.0, 1.0, 0.99]
-    want = torch.stack([_filter_logits(row, k, p) for row, k, p in zip(logits, ks, ps)])
-    got = _filter_logits_batch(logits, torch.tensor(ks), torch.tensor(ps))
+    want = torch.stack([filter_logits(row, k, p) for row, k, p in zip(logits, ks, ps)])
+    got = filter_logits_batch(logits, torch.tensor(ks), torch.tensor(ps))
     assert torch.equal(got, want)
     for k, p in [(5, 1.0), (-1, 0.7), (4, 0.8), (-1, 1.0)]:     # one value for all rows
-        want = torch.stack([_filter_logits(row, k, p) for row in logits])
-        assert torch.equal(_filter_logits_batch(logits, k, p), want)
-        assert torch.equal(_filter_logits_batch(logits, torch.full((7,), k), torch.full((7,), p)), want)
+        want = torch.stack([filter_logits(row, k, p) for row in logits])
+        assert torch.equal(filter_logits_batch(logits, k, p), want)
+        assert torch.equal(filter_logits_batch(logits, torch.full((7,), k), torch.full((7,), p)), want)
 
 
 def test_inverse_cdf_sampling():
     probs = torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0])
     n = 1000
     u = (torch.arange(n) + 0.5) / n                  # an even grid of uniforms: counts = n * probs
-    tok = _inverse_cdf(probs.expand(n, -1), u)
+    tok = inverse_cdf(probs.expand(n, -1), u)
     assert torch.bincount(tok, minlength=5).tolist() == [100, 0, 600, 300, 0]
     # the ends: u = 0 is the first token with mass, the largest float32 below 1 the last one
     # (u * total rounds up to total), also for rows of any total
     edge = torch.tensor([0.0, 1 - 2 ** -24])
     for row in (probs, probs * 7.3, torch.tensor([0.0, 0.0, 1e-30, 0.0])):
         nz = row.nonzero()[:, 0]
-        assert _inverse_cdf(row.expand(2, -1), edge).tolist() == [nz[0].item(), nz[-1].item()]
+        assert inverse_cdf(row.expand(2, -1), edge).tolist() == [nz[0].item(), nz[-1].item()]
 
 
 def test_rollout_logprobs_equal_trainer_logprobs(model):
@@ -321,7 +322,7 @@ def test_publish_returns_while_workers_generate_and_acks_come_per_worker(model, 
 def test_ignore_eos_runs_every_response_to_max_new_tokens(model):
     """rollout.ignore_eos: the same seeded draws, but EOS no longer ends a response, so each one is
     exactly max_new_tokens long and starts with what the stopping run produced (EOS included)."""
-    from periodic_async.rollout.hf_engine import reference_generate
+    from periodic_async.rollout.sampling import reference_generate
     path, tok = model
     engine = _engine(path, tok)
     stop = SamplingParams(temperature=1.0, max_new_tokens=40, stop_token_ids=(tok.eos_token_id,))

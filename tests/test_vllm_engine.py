@@ -199,7 +199,7 @@ def test_seeded_sampling_does_not_depend_on_batching(engine, models):
     # With top-k / top-p on, vLLM's log-probs (logprobs_mode=processed_logprobs) are log-softmax over
     # the KEPT tokens (logits / T, then the HF engine's own top-k/top-p filter), not over the full
     # vocabulary as the HF engine reports: documented in vllm_engine.py.
-    from periodic_async.rollout.hf_engine import _filter_logits
+    from periodic_async.rollout.sampling import filter_logits
     prompts = {r.group_index: r.prompt_ids for r in _requests(tok, sp)}
     worst, gap = 0.0, 0.0
     for (g, _), (ids, lps) in together.items():
@@ -207,7 +207,7 @@ def test_seeded_sampling_does_not_depend_on_batching(engine, models):
         with torch.no_grad():
             logits = model_a(x).logits[0, len(prompts[g]) - 1:-1].float() / sp.temperature
         full = torch.log_softmax(logits, -1)
-        kept = torch.stack([torch.log_softmax(_filter_logits(row, sp.top_k, sp.top_p), -1) for row in logits])
+        kept = torch.stack([torch.log_softmax(filter_logits(row, sp.top_k, sp.top_p), -1) for row in logits])
         idx = torch.tensor(ids)[:, None]
         worst = max(worst, float((torch.tensor(lps) - kept.gather(-1, idx)[:, 0]).abs().max()))
         gap = max(gap, float((torch.tensor(lps) - full.gather(-1, idx)[:, 0]).max()))

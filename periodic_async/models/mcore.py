@@ -3,7 +3,7 @@
 `ModelArch` is the architecture read from a Hugging Face `config.json`; `build_gpt_model` maps it
 onto Megatron-core's local layer spec (RMSNorm, SwiGLU, RoPE, GQA, optional QKV bias), the same
 mapping on every backend. The core-attention module is selectable: torch SDPA (the default, with the
-training fast paths below: RoPE, SwiGLU and RMSNorm as autograd functions of fewer passes),
+training fast paths of kernels/fast_layers: RoPE, SwiGLU and RMSNorm in fewer passes),
 Megatron's local DotProductAttention (the local spec as is), or shared-prompt attention
 (kernels/shared_prompt, docs/shared-prompt.md).
 """
@@ -235,14 +235,14 @@ def fast_layer_spec(layer_spec):
     """A copy of the local `layer_spec` (core attention left as it is) with the training fast
     paths: `RopeSelfAttention` (RoPE from cos / sin tables computed once per forward,
     `RotaryFunction`), `SwiGLUMLP` (`SwiGLUFunction`), `RMSNorm` (`RMSNormFunction`) for both
-    layer norms. Parameter names and shapes are the local spec's, so checkpoints, conversion and
+    layer norms (kernels/fast_layers). Parameter names and shapes are the local spec's, so checkpoints, conversion and
     TP sharding are unchanged."""
     import copy
-    classes = _fast_module_classes()
+    from kernels.fast_layers.megatron import RMSNorm, RopeSelfAttention, SwiGLUMLP
     layer_spec = copy.deepcopy(layer_spec)
     sub = layer_spec.submodules
-    sub.self_attention.module = classes["attention"]
-    sub.mlp.module = classes["mlp"]
+    sub.self_attention.module = RopeSelfAttention
+    sub.mlp.module = SwiGLUMLP
     sub.input_layernorm = sub.pre_mlp_layernorm = RMSNorm
     return layer_spec
 
@@ -252,6 +252,7 @@ def fast_block_spec(config, layer_spec):
     (Megatron builds the block of a bare layer spec the same way, with its own norm class)."""
     from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
                                                              get_num_layers_to_build)
+    from kernels.fast_layers.megatron import RMSNorm
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config),
                                       layer_norm=RMSNorm)
 
@@ -302,211 +303,3 @@ def _position_rope_gpt_model_cls():
 
         _POSITION_ROPE_CLS = PositionRopeGPTModel
     return _POSITION_ROPE_CLS
-
-
-# ---------------------------------------------------------------------- training fast paths
-#
-# Megatron's local spec is written for CUDA with fused kernels; its unfused fallbacks (what runs on
-# CPU, and without TransformerEngine) cost extra full passes over the activations: the GLU's chunk
-# views go through silu / mul and come back through a cat, `x_linear + glu_linear_offset` adds 0.0,
-# RoPE recomputes cos / sin for every layer and tensor, builds the rotated half with neg + cat and
-# copies the result once more (`cat((t, t_pass))` with an empty t_pass). The two autograd functions
-# below compute the same values with the same elementwise kernels (bit-equal for SwiGLU; RoPE to
-# one rounding of its two products' sum) in fewer passes.
-
-
-class SwiGLUFunction(torch.autograd.Function):
-    """silu(y1) * y2 for y = [y1 | y2] on the last dim (the GLU of a fused gate / up projection).
-    Saves y and silu(y1), like autograd would; the backward writes both halves of the input
-    gradient straight into one tensor (no cat), with autograd's own kernels (silu_backward, mul)."""
-
-    @staticmethod
-    def forward(ctx, y):
-        a, b = y.chunk(2, dim=-1)
-        s = F.silu(a)
-        ctx.save_for_backward(y, s)
-        return s * b
-
-    @staticmethod
-    def backward(ctx, g):
-        y, s = ctx.saved_tensors
-        a, b = y.chunk(2, dim=-1)
-        grad = torch.empty_like(y)
-        ga, gb = grad.chunk(2, dim=-1)
-        torch.mul(g, s, out=gb)
-        torch.mul(g, b, out=ga)
-        torch.ops.aten.silu_backward.grad_input(ga, a, grad_input=ga)
-        return grad
-
-
-class RotaryFunction(torch.autograd.Function):
-    """Rotary embedding t * cos + rotate_half(t) * sin (the non-interleaved layout Megatron and HF
-    use: rotate_half([t1 | t2]) = [-t2 | t1]) from precomputed cos / sin tables broadcastable to t
-    (t [S, B, heads, d], tables [S, B|1, 1, d]). Three passes, no cat; only the tables are saved.
-    Backward: the transposed rotation, g * cos + [g2 * sin2 | -g1 * sin1]."""
-
-    @staticmethod
-    def forward(ctx, t, cos, sin):
-        h = t.shape[-1] // 2
-        out = t * cos
-        out[..., :h].addcmul_(t[..., h:], sin[..., :h], value=-1)
-        out[..., h:].addcmul_(t[..., :h], sin[..., h:])
-        ctx.save_for_backward(cos, sin)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        cos, sin = ctx.saved_tensors
-        h = g.shape[-1] // 2
-        grad = g * cos
-        grad[..., :h].addcmul_(g[..., h:], sin[..., h:])
-        grad[..., h:].addcmul_(g[..., :h], sin[..., :h], value=-1)
-        return grad, None, None
-
-
-class RMSNormFunction(torch.autograd.Function):
-    """weight * x * rsqrt(mean(x^2) + eps) over the last dim, fp32. Forward: one reduction and two
-    elementwise passes; saves x_hat = x * rstd and rstd. Backward: rstd * (g*w - x_hat *
-    mean(g*w * x_hat)) and the weight gradient sum(g * x_hat), in about half the passes and a
-    third of the kernels of autograd through torch's composite rms_norm."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        h = x.shape[-1]
-        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-        rstd = norm.square_().div_(h).add_(eps).rsqrt_()
-        x_hat = x * rstd
-        ctx.save_for_backward(x_hat, weight, rstd)
-        return x_hat * weight
-
-    @staticmethod
-    def backward(ctx, g):
-        x_hat, weight, rstd = ctx.saved_tensors
-        h = x_hat.shape[-1]
-        grad_w = (g * x_hat).reshape(-1, h).sum(0) if ctx.needs_input_grad[1] else None
-        gw = g * weight
-        dot = torch.linalg.vecdot(gw, x_hat, dim=-1).div_(h).unsqueeze(-1)
-        grad_x = torch.addcmul(gw, x_hat, dot, value=-1).mul_(rstd) if ctx.needs_input_grad[0] else None
-        return grad_x, grad_w, None
-
-
-class RMSNorm(torch.nn.RMSNorm):
-    """torch.nn.RMSNorm (what Megatron's WrappedTorchNorm builds: same parameter, same state dict)
-    built from Megatron's norm arguments; fp32 runs `RMSNormFunction`, other dtypes torch's."""
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **kwargs):
-        if config.normalization != "RMSNorm" or config.sequence_parallel or config.layernorm_zero_centered_gamma:
-            raise ValueError("RMSNorm: normalization RMSNorm without sequence parallelism or zero-centered gamma only")
-        super().__init__(normalized_shape=hidden_size, eps=eps)
-
-    def forward(self, x):
-        if x.dtype != torch.float32 or self.weight.dtype != torch.float32:
-            return super().forward(x)
-        return RMSNormFunction.apply(x, self.weight, self.eps)
-
-
-_ROPE_TABLES: list = [None, None, None, None]    # [weakref(freqs), dtype, cos, sin]: the last table
-
-
-def rope_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) of a RoPE frequency tensor in `dtype`, computed as Megatron's unfused RoPE does
-    (fp32 freqs, then cast). Every layer of a forward gets the same freqs tensor (GPTModel computes
-    it once; its rotary module even caches it per length), so the tables are computed once per
-    forward: the last one is kept, keyed by the freqs tensor itself (a weak reference, so a new
-    tensor at a recycled address is never mistaken for it)."""
-    import weakref
-    ref, dt, cos, sin = _ROPE_TABLES
-    if ref is not None and ref() is freqs and dt == dtype:
-        return cos, sin
-    with torch.no_grad():
-        cos, sin = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
-    if not torch.is_inference_mode_enabled():     # inference tensors cannot be saved for a backward
-        _ROPE_TABLES[:] = [weakref.ref(freqs), dtype, cos, sin]
-    return cos, sin
-
-
-_FAST_CLASSES: dict = {}
-
-
-def _fast_module_classes() -> dict:
-    """{"attention": RopeSelfAttention, "mlp": SwiGLUMLP}: Megatron subclasses, defined on first use
-    (importing megatron.core is deferred, as everywhere in this module)."""
-    if _FAST_CLASSES:
-        return _FAST_CLASSES
-    from megatron.core.transformer.attention import SelfAttention
-    from megatron.core.transformer.mlp import MLP
-
-    class SwiGLUMLP(MLP):
-        """Megatron's MLP; with SwiGLU (gated, silu, no clamp / offset / TE activation / fusion) the
-        activation is `SwiGLUFunction`. Anything else runs Megatron's forward."""
-
-        def forward(self, hidden_states, per_token_scale=None, **kwargs):
-            c = self.config
-            if (per_token_scale is not None or not c.gated_linear_unit or c.activation_func is not F.silu
-                    or c.use_te_activation_func or c.bias_activation_fusion
-                    or getattr(c, "activation_func_clamp_value", None) is not None
-                    or getattr(c, "glu_linear_offset", 0.0) != 0.0):
-                return super().forward(hidden_states, per_token_scale, **kwargs)
-            y, bias = self.linear_fc1(hidden_states)
-            if bias is not None:
-                y = y + bias
-            return self.linear_fc2(SwiGLUFunction.apply(y))
-
-    class RopeSelfAttention(SelfAttention):
-        """Megatron's SelfAttention; the training / plain forward path (no inference context, no
-        packed sequences, no cross attention, bias, output gate, offloading or recompute, full
-        non-interleaved RoPE without scaling) applies RoPE with `RotaryFunction` from tables made
-        once per forward (`rope_tables`) and calls the core attention and the output projection
-        exactly as Megatron does. Any other case runs Megatron's forward."""
-
-        def _plain(self, key_value_states, inference_context, rotary_pos_emb, rotary_pos_cos,
-                   rotary_pos_sin, rotary_pos_cos_sin, attention_bias, packed_seq_params, sequence_len_offset,
-                   inference_params) -> bool:
-            c = self.config
-            if (key_value_states is not None or inference_context is not None or inference_params is not None
-                    or rotary_pos_cos is not None or rotary_pos_sin is not None or rotary_pos_cos_sin is not None
-                    or attention_bias is not None or packed_seq_params is not None
-                    or sequence_len_offset is not None):
-                return False
-            if (c.attention_output_gate or c.no_rope_freq or c.rotary_interleaved or c.multi_latent_attention
-                    or c.apply_rope_fusion or c.fused_single_qkv_rope or c.flash_decode or c.test_mode
-                    or getattr(c, "yarn_rotary_scaling_factor", None) is not None):
-                return False
-            if (getattr(self, "checkpoint_core_attention", False) and self.training) or any(
-                    getattr(self, f, False) for f in ("offload_qkv_linear", "offload_core_attention",
-                                                      "offload_attn_proj")):
-                return False
-            if rotary_pos_emb is not None:
-                embs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,)
-                if any(e is not None and e.shape[-1] != self.hidden_size_per_attention_head for e in embs):
-                    return False      # partial rotary
-            return True
-
-        def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
-                    rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
-                    attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *,
-                    inference_params=None):
-            if not self._plain(key_value_states, inference_context, rotary_pos_emb, rotary_pos_cos,
-                               rotary_pos_sin, rotary_pos_cos_sin, attention_bias, packed_seq_params,
-                               sequence_len_offset, inference_params):
-                return super().forward(
-                    hidden_states, attention_mask, key_value_states=key_value_states,
-                    inference_context=inference_context, rotary_pos_emb=rotary_pos_emb,
-                    rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
-                    rotary_pos_cos_sin=rotary_pos_cos_sin, attention_bias=attention_bias,
-                    packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset,
-                    inference_params=inference_params)
-            query, key, value = self.get_query_key_value_tensors(hidden_states, None)   # [sq, b, heads, hn]
-            if rotary_pos_emb is not None:
-                q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
-                if q_emb is not None:
-                    query = RotaryFunction.apply(query, *rope_tables(q_emb, query.dtype))
-                if k_emb is not None:
-                    key = RotaryFunction.apply(key, *rope_tables(k_emb, key.dtype))
-            core_attn_out = self.core_attention(query, key, value, attention_mask,
-                                                attn_mask_type=self.attn_mask_type, attention_bias=None,
-                                                packed_seq_params=None)
-            return self.linear_proj(core_attn_out)
-
-    _FAST_CLASSES.update(attention=RopeSelfAttention, mlp=SwiGLUMLP)
-    return _FAST_CLASSES

@@ -58,65 +58,114 @@ def drain(named_tensors) -> None:
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        # validate once, before anything is started or written: against the checkpoint's
-        # architecture (config.json) or the tiny model's
-        arch = arch_from_hf_dir(cfg.model.path) if cfg.model.path else tiny_arch(cfg.model.tiny)
-        cfg.validate(world_size=int(os.environ.get("WORLD_SIZE", "1")), num_heads=arch.num_heads,
-                     num_kv_heads=arch.num_kv_heads, vocab_size=arch.vocab_size, num_layers=arch.num_layers)
-        # Every rank reads the checkpoint's headers and the dataset before anything is started, so
-        # that a missing file or a bad row stops every rank with the same one-line error
-        # (__main__), not rank 0 alone halfway through set-up while the others wait on it.
-        if cfg.model.path:
-            from ..models.convert import check_checkpoint
-            check_checkpoint(cfg.model.path)
-        from ..data.dataset import load_records
-        from .validation import split_validation
-        records, val_records = split_validation(load_records(cfg.data), cfg.data)
-        rank0 = int(os.environ.get("RANK", "0")) == 0
-        self._records = records if rank0 else None   # rank 0's loader's
-        self._val_records = val_records if rank0 else None
+        arch = self._validated_arch()
+        self._records, self._val_records = self._read_inputs()    # rank 0's loader's; None elsewhere
         self.backend = get_backend(cfg.backend)
         self.memory_plan = self._check_memory(arch)
         self.mode = Mode.of(cfg.trainer.mode, cfg.trainer.max_staleness)
         self.rank, self.world, self.local_rank = self.backend.init_distributed()
         self.model_dir = self._prepare_run_dir()
         self.arch = arch_from_hf_dir(self.model_dir)
-        self.backend.init_model_parallel(cfg.parallel.tensor_model_parallel_size,
-                                         cfg.parallel.pipeline_model_parallel_size, cfg.trainer.seed)
-        from megatron.core import parallel_state as ps
-        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        # groups go from rank 0 to every rank on their own (gloo) group: see train/feed.py
-        self.feed_group = dist.new_group(backend="gloo") if self.world > 1 else None
-
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        worker_placements, trainer_placement = self.backend.rollout_placements(
-            cfg.rollout.num_workers if self.mode.engine_in_workers else 0, local_world,
-            share_cores=cfg.rollout.cpu_cores == "shared" and cfg.rollout.engine == "hf",
-            devices_per_worker=cfg.rollout.tensor_parallel_size)
-        self.core_seat = trainer_placement.get("seat")     # cpu, shared cores: see backend.CoreSeat
-        self.device = self.backend.trainer_device(trainer_placement, self.local_rank, local_world)
-
-        from ..models.tokenizer import load_tokenizer
-        self.tokenizer = load_tokenizer(self.model_dir)
-        from ..data import prompts
-        self.prompts = prompts.build(cfg.data, self.tokenizer, where=f"the tokenizer of {self.model_dir}")
+        self.dp_rank, self.dp_size, self.feed_group = self._init_model_parallel()
+        worker_placements, self.core_seat, self.device = self._place_processes()
+        self.tokenizer, self.prompts = self._load_tokenizer_and_prompts()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.eos_id = self.tokenizer.eos_token_id
         self.staleness = self.mode.staleness
-        # an estimator that uses importance ratios (vcpo_baseline) is applied in the loss, where the
-        # proximal policy's log-probs are: the samples carry rewards and groups there
-        from ..algo import ADV_ESTIMATORS
-        self._importance_baseline = getattr(ADV_ESTIMATORS.lookup(cfg.algo.adv_estimator), "uses_importance_ratios", False)
-        self.actor = TriModelActor(cfg.actor, self.arch, self.model_dir, cfg.model.dtype, self.device,
-                                   temperature=cfg.rollout.temperature or 1.0,
-                                   with_reference=cfg.actor.uses_reference,
-                                   pad_token_id=self.pad_id)
+        self._importance_baseline = self._uses_importance_baseline()
+        self.actor = self._build_actor()
         self.version = 0
         self.start_step = 0             # the last step done (a resumed run's checkpoint step)
         self.nonfinite_in_a_row = 0
         self.reward = self.producer = self.planner = None
         self.timeline = Timeline()
         meta = self._resume()
+        self._start_rollout(worker_placements, meta)    # rank 0: self.planner, self.producer, self.reward
+        self.metrics = MetricsLogger(cfg.trainer.run_dir, cfg.trainer.tensorboard, enabled=self.rank == 0,
+                                     resume_after_step=self.start_step if meta is not None else None)
+        self.validator = self._build_validator()
+
+    def validate(self) -> dict[str, float]:
+        """Validation metrics of the policy the rollout side holds now (rank 0; {} elsewhere)."""
+        if self.validator is None:
+            return {}
+        return self.validator.run(self.producer, self.reward, self.producer.scorer.decode)
+
+    # ------------------------------------------------------------------ set-up
+    def _validated_arch(self):
+        """The model's architecture (the checkpoint's config.json, or the tiny model's), after the
+        config is validated against it: once, before anything is started or written."""
+        cfg = self.cfg
+        arch = arch_from_hf_dir(cfg.model.path) if cfg.model.path else tiny_arch(cfg.model.tiny)
+        cfg.validate(world_size=int(os.environ.get("WORLD_SIZE", "1")), num_heads=arch.num_heads,
+                     num_kv_heads=arch.num_kv_heads, vocab_size=arch.vocab_size, num_layers=arch.num_layers)
+        return arch
+
+    def _read_inputs(self) -> tuple[list | None, list | None]:
+        """(training records, validation records) on rank 0, (None, None) on the other ranks.
+        Every rank reads the checkpoint's headers and the dataset before anything is started, so
+        that a missing file or a bad row stops every rank with the same one-line error (__main__),
+        not rank 0 alone halfway through set-up while the others wait on it."""
+        cfg = self.cfg
+        if cfg.model.path:
+            from ..models.convert import check_checkpoint
+            check_checkpoint(cfg.model.path)
+        from ..data.dataset import load_records
+        from .validation import split_validation
+        records, val_records = split_validation(load_records(cfg.data), cfg.data)
+        if int(os.environ.get("RANK", "0")) != 0:
+            return None, None
+        return records, val_records
+
+    def _init_model_parallel(self):
+        """Megatron's TP x PP x DP groups and RNG; returns (DP rank, DP size, the feed group: groups
+        go from rank 0 to every rank on their own gloo group, train/feed.py; None on one rank)."""
+        parallel = self.cfg.parallel
+        self.backend.init_model_parallel(parallel.tensor_model_parallel_size,
+                                         parallel.pipeline_model_parallel_size, self.cfg.trainer.seed)
+        from megatron.core import parallel_state as ps
+        dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        feed_group = dist.new_group(backend="gloo") if self.world > 1 else None
+        return dp_rank, dp_size, feed_group
+
+    def _place_processes(self):
+        """Where this node's rollout workers (modes with the engine in workers) and trainer ranks
+        run: returns (the workers' placements, this rank's CoreSeat or None, its device)."""
+        cfg = self.cfg
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        worker_placements, trainer_placement = self.backend.rollout_placements(
+            cfg.rollout.num_workers if self.mode.engine_in_workers else 0, local_world,
+            share_cores=cfg.rollout.cpu_cores == "shared" and cfg.rollout.engine == "hf",
+            devices_per_worker=cfg.rollout.tensor_parallel_size)
+        seat = trainer_placement.get("seat")     # cpu, shared cores: see backend.CoreSeat
+        device = self.backend.trainer_device(trainer_placement, self.local_rank, local_world)
+        return worker_placements, seat, device
+
+    def _load_tokenizer_and_prompts(self):
+        """(the model directory's tokenizer, the prompt renderer of data/prompts.py on it)."""
+        from ..models.tokenizer import load_tokenizer
+        tokenizer = load_tokenizer(self.model_dir)
+        from ..data import prompts
+        return tokenizer, prompts.build(self.cfg.data, tokenizer, where=f"the tokenizer of {self.model_dir}")
+
+    def _uses_importance_baseline(self) -> bool:
+        """Whether the advantage estimator uses importance ratios (vcpo_baseline): it is applied in
+        the loss, where the proximal policy's log-probs are, so the samples carry rewards and groups
+        there."""
+        from ..algo import ADV_ESTIMATORS
+        return getattr(ADV_ESTIMATORS.lookup(self.cfg.algo.adv_estimator), "uses_importance_ratios", False)
+
+    def _build_actor(self) -> TriModelActor:
+        cfg = self.cfg
+        return TriModelActor(cfg.actor, self.arch, self.model_dir, cfg.model.dtype, self.device,
+                             temperature=cfg.rollout.temperature or 1.0,
+                             with_reference=cfg.actor.uses_reference,
+                             pad_token_id=self.pad_id)
+
+    def _start_rollout(self, worker_placements, meta: dict | None) -> None:
+        """Rank 0 builds the planner (restored from a checkpoint's `meta`) and the producer with
+        its pool; every rank takes part in the weight exports that give the rollout side the
+        policy's weights."""
         # the workers' first weights: the policy's export (version 0, or the checkpoint's),
         # streamed into the pool's buffer on rank 0
         initial = self.actor.export_weights() if self.mode.engine_in_workers else None
@@ -125,7 +174,7 @@ class Trainer:
             if meta is not None:
                 self.planner.load_state_dict(meta)
             self.producer = self._build_producer(worker_placements, initial)
-            if cfg.trainer.record_timeline:
+            if self.cfg.trainer.record_timeline:
                 self.timeline.watch_scorer(self.producer.scorer)
         elif initial is not None:
             drain(initial)
@@ -135,21 +184,16 @@ class Trainer:
                 self.producer.update_weights(named, self.version)
             else:
                 drain(named)
-        self.metrics = MetricsLogger(cfg.trainer.run_dir, cfg.trainer.tensorboard, enabled=self.rank == 0,
-                                     resume_after_step=self.start_step if meta is not None else None)
-        self.validator = None
-        if self.rank == 0 and cfg.trainer.val_every and self._val_records:
-            from .validation import Validator
-            self.validator = Validator(self._val_records, self._tokenize_prompt, self.planner.sampling,
-                                       cfg.trainer.val_n, cfg.trainer.seed, cfg.data.source)
 
-    def validate(self) -> dict[str, float]:
-        """Validation metrics of the policy the rollout side holds now (rank 0; {} elsewhere)."""
-        if self.validator is None:
-            return {}
-        return self.validator.run(self.producer, self.reward, self.producer.scorer.decode)
+    def _build_validator(self):
+        """The Validator on rank 0 with trainer.val_every and validation records; else None."""
+        cfg = self.cfg
+        if not (self.rank == 0 and cfg.trainer.val_every and self._val_records):
+            return None
+        from .validation import Validator
+        return Validator(self._val_records, self._tokenize_prompt, self.planner.sampling,
+                         cfg.trainer.val_n, cfg.trainer.seed, cfg.data.source)
 
-    # ------------------------------------------------------------------ set-up
     def _layout(self) -> dict:
         from megatron.core import parallel_state as ps
         return {"tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
