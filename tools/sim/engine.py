@@ -51,6 +51,14 @@ def replay_engine(samples: list[Sample], slots: int, gen: GenCosts, t0: float = 
     return _replay_incremental(samples, slots, gen, t0)
 
 
+def live_engine(slots: int, gen: GenCosts, t0: float = 0.0):
+    """A steppable engine of `gen.engine`'s model (LiveEngine, engine_reprefill.LiveReprefill)."""
+    if gen.engine == "reprefill":
+        from .engine_reprefill import LiveReprefill     # imports this module's Sample / Iteration
+        return LiveReprefill(slots, gen, t0)
+    return LiveEngine(slots, gen, t0)
+
+
 def _replay_incremental(samples: list[Sample], slots: int, gen: GenCosts, t0: float) -> list[Iteration]:
     """replay_engine for the incremental engine: a LiveEngine with every sample waiting at t0."""
     eng = LiveEngine(slots, gen, t0)
