@@ -10,8 +10,8 @@ plug-ins (planner.py: the group sizer, the allocator).
 - Dispatch: batch b is planned and its requests sent as soon as every engine holds version
   b - 1 - eta; a request reaches its engine dispatch_s later (a pilot's commit or a backfill
   too), to the engine with the fewest outstanding samples.
-- Engines batch continuously (engine.live_engine: the incremental or the reprefill model); a sample's version is the weights its engine
-  held when it was admitted (its first token's).
+- Engines batch continuously (engine.live_engine: the incremental or the reprefill model); a
+  sample's version is the weights its engine held when it was admitted (its first token's).
 - The producer reads, one poll at a time, every result that reached it (result_s after its
   engine step); the requests a poll completes are scored in one reward call per batch
   (reward_call_s + reward_item_s * items), then each is handed to its plan (more requests, groups

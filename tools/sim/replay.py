@@ -173,7 +173,8 @@ def simulate(mode: str, workload: Workload, cluster: Cluster, costs: Costs, step
         batches, reps, t = None, [], 0.0
         for i in range(steps):
             if plans:
-                reqs = [[Sample(g, k, p, r) for k, r in enumerate(rs)] for g, (p, rs) in enumerate(plans[i % len(plans)])]
+                reqs = [[Sample(g, k, p, r) for k, r in enumerate(rs)]
+                        for g, (p, rs) in enumerate(plans[i % len(plans)])]
             else:
                 reqs = plan_requests(workload, rng)
             rep = replay_step(mode, reqs, cluster, costs, workload.micro_batch_size, workload.weight_bytes, t0=t,

@@ -24,8 +24,8 @@ class TrainReplay:
     events: list[dict]
 
 
-def train_step(order: list[int], avail: dict[int, float], samples: dict[int, list[Sample]], sizes: dict[int, int], dp: int,
-               train_from: float, costs: Costs, micro_batch_size: int, weight_bytes: float,
+def train_step(order: list[int], avail: dict[int, float], samples: dict[int, list[Sample]], sizes: dict[int, int],
+               dp: int, train_from: float, costs: Costs, micro_batch_size: int, weight_bytes: float,
                step: int) -> TrainReplay:
     """`order`: the groups (positions) in the order the trainer receives them, `avail[g]` when,
     `samples[g]` its samples (an empty group: a position no group took), `sizes` the K the trainer
