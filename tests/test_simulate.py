@@ -17,6 +17,7 @@ try:
     from sim.costs import GEN_FEATURES, Cluster, Costs, GenCosts, Workload
     from sim.engine import Sample, replay_engine
     from sim.lengths import FixedLengths, LogNormalLengths, ParetoLengths, parse_lengths
+    from sim.planner import PromptSet
     from sim.replay import replay_step, simulate
 finally:
     sys.path.pop(0)
@@ -117,7 +118,7 @@ def test_the_simulator_is_torch_free():
     import subprocess
     tools = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
     code = (f"import sys; sys.path.insert(0, {tools!r})\n"
-            "import sim.calibration, sim.engine_reprefill, sim.projection, sim.replay\n"
+            "import sim.calibration, sim.engine_reprefill, sim.projection, sim.replay, sim.pipeline, sim.planner\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -149,6 +150,113 @@ def test_dp_ranks_train_their_groups_and_wait_for_each_other():
     assert one.train_s == pytest.approx(4 * 0.1 + 0.05)
     assert two.train_s == pytest.approx(2 * 0.1 + 0.05)       # rank 0's share: 2 groups
     assert one.step_s - two.step_s == pytest.approx(0.2)
+
+
+# ---------------------------------------------------------------------- async and the plug-ins
+LONG_TAIL = Workload(16, 8, ParetoLengths(8, 1.2, 256), FixedLengths(16), micro_batch_size=16)
+TAIL_COSTS = Costs(gen=GenCosts(decode_s=2e-3, decode_row_s=5e-5, prefill_s=2e-3, prefill_token_s=2e-5),
+                   micro_step_s=0.04, token_s=2e-6, optimizer_s=5e-3, reward_call_s=1e-4, reward_item_s=1e-5,
+                   sync_s=3e-3, dispatch_s=2e-3, result_s=5e-4, handoff_busy_s=1e-3, handoff_wait_s=2e-3)
+
+
+def test_async_with_eta_0_is_the_periodic_replay():
+    # periodic: one batch after the other (replay_step each); async: one pipeline over all batches,
+    # each dispatched when may_dispatch lets it - with eta = 0 the same schedule, to the last bit
+    cl = Cluster(2, 1, slots=16)
+    ev_p, ev_a = [], []
+    per = simulate("periodic", LONG_TAIL, cl, TAIL_COSTS, steps=6, seed=3, events=ev_p)
+    asy = simulate("async", LONG_TAIL, cl, TAIL_COSTS, steps=6, seed=3, events=ev_a, eta=0)
+    assert asy.batches is not None and per.batches is None      # two code paths
+    for f in ("step_s", "gen_s", "train_s", "sync_s", "tokens_per_step", "tokens_per_s_per_device",
+              "rollout_idle", "trainer_idle", "wall_s"):
+        assert getattr(asy, f) == getattr(per, f), f
+    assert [{**e, "mode": None} for e in ev_a] == [{**e, "mode": None} for e in ev_p]
+
+
+@pytest.mark.parametrize("eta", [1, 2])
+def test_async_keeps_the_staleness_bound_and_overlaps_batches(eta):
+    cl = Cluster(1, 1, slots=32)
+    per = simulate("periodic", LONG_TAIL, cl, TAIL_COSTS, steps=10, seed=1)
+    asy = simulate("async", LONG_TAIL, cl, TAIL_COSTS, steps=10, seed=1, eta=eta)
+    stale = []
+    for b in asy.batches:
+        # batch b is trained at version b - 1; its oldest token's policy is at most eta behind
+        assert b.dispatch_version >= b.step - 1 - eta
+        stale.append((b.step - 1) - b.oldest_version)
+    assert max(stale) <= eta
+    assert max(stale) == eta            # the bound is used: batches b + 1 .. b + eta ran on older weights
+    assert asy.batches[eta].dispatch == 0.0 and asy.batches[eta + 1].dispatch > 0.0
+    # a simulated time, not a measurement: overlapping batches hide the long tail
+    assert asy.wall_s <= per.wall_s
+    assert asy.wall_s < 0.9 * per.wall_s
+
+
+def test_one_reward_call_per_poll():
+    # 2 groups of K = 2, same lengths, 4 slots: all four finish in one engine step, so one poll
+    # holds both groups and the producer scores them in one call (call + 4 items), not two
+    wl = Workload(2, 2, FixedLengths(3), FixedLengths(2), micro_batch_size=4)
+    costs = _row_costs(reward_call_s=0.5, reward_item_s=0.01)
+    events = []
+    simulate("periodic", wl, Cluster(1, 1, slots=4), costs, steps=1, events=events)
+    rewards = [e for e in events if e["kind"] == "reward"]
+    assert len(rewards) == 1 and rewards[0]["items"] == 4 and rewards[0]["groups"] == [0, 1]
+    assert rewards[0]["end"] - rewards[0]["start"] == pytest.approx(0.5 + 4 * 0.01)
+
+
+def test_sagc_in_the_replay_decides_as_the_runtime_sizer():
+    from periodic_async.config.sections import SAGCConfig
+    from periodic_async.scheduling.group_sizing import StragglerAwareGroupSize
+    cfg = SAGCConfig(candidates=(4, 8, 16), tau=2.0, eta=1.0, seed=5)
+    wl = Workload(8, 8, ParetoLengths(8, 1.2, 256), FixedLengths(16), micro_batch_size=16)
+    p = simulate("async", wl, Cluster(1, 1, slots=32), TAIL_COSTS, steps=12, seed=2, eta=1,
+                 sizer=StragglerAwareGroupSize(cfg, 8))
+    played = [b.group_size for b in p.batches]
+    for b in p.batches:       # every group of a batch has the batch's K
+        assert {len([s for s in b.samples if s.group == g]) for g in range(wl.prompts)} == {b.group_size}
+    # a fresh runtime sizer, told what the replay saw in the order it happened (a batch decided at its
+    # dispatch, observed when its last group is in; eta = 1: batch b + 1 decided before b is observed)
+    calls = sorted([(b.dispatch, 0, b.step, None) for b in p.batches] +
+                   [(b.done_at, 1, b.step, [[s.response for s in b.samples if s.group == g]
+                                            for g in range(wl.prompts)]) for b in p.batches])
+    ref, want = StragglerAwareGroupSize(cfg, 8), {}
+    for _, kind, step, lengths in calls:
+        if kind == 0:
+            want[step] = ref.begin_step(step)
+        else:
+            ref.observe(step, lengths)
+    assert played == [want[b.step] for b in p.batches]
+    assert len(set(played)) > 1                 # the lengths fed back moved K
+    assert p.batches[1].dispatch < p.batches[0].done_at     # delayed feedback happened
+
+
+def test_pilot_commit_replay_spends_no_more_than_the_budget():
+    from periodic_async.scheduling.allocation import Allocator, BackfillConfig, PilotConfig
+    pc = PilotConfig(enabled=True, n_pilot=2, p_lower=0.0, p_upper=1.0, budget=96, num_candidates=24)
+    alloc = Allocator(pc, BackfillConfig(), 16, 8, 200)
+    p = simulate("periodic", LONG_TAIL, Cluster(1, 1, slots=32), TAIL_COSTS, steps=8, allocator=alloc,
+                 prompts=PromptSet(LONG_TAIL, 200, "beta:0.5,0.5", seed=1))
+    for b in p.batches:
+        assert b.rollouts <= alloc.budget_for(b.group_size) == 96
+        assert b.rollouts == b.metrics["pilot/rollouts"]
+        assert b.metrics["pilot/rollouts"] == 2 * b.metrics["pilot/piloted"] + 6 * b.metrics["pilot/committed"]
+        trained = [g for g in b.groups.values() if g]
+        assert len(trained) == b.metrics["alloc/trainable_groups"] <= 16
+    assert p.rollouts_per_step < 16 * 8
+    with pytest.raises(ValueError):     # as the runtime's config refuses it
+        simulate("async", LONG_TAIL, Cluster(1, 1), TAIL_COSTS, steps=1, eta=1, allocator=alloc,
+                 prompts=PromptSet(LONG_TAIL, 200))
+
+
+def test_backfill_replay_draws_more_groups_within_its_budget():
+    from periodic_async.scheduling.allocation import Allocator, BackfillConfig, PilotConfig
+    alloc = Allocator(PilotConfig(), BackfillConfig(enabled=True, max_groups=4), 16, 8, 200)
+    p = simulate("periodic", LONG_TAIL, Cluster(1, 1, slots=32), TAIL_COSTS, steps=6, allocator=alloc,
+                 prompts=PromptSet(LONG_TAIL, 200, "beta:0.3,0.3", seed=2))
+    plain = simulate("periodic", LONG_TAIL, Cluster(1, 1, slots=32), TAIL_COSTS, steps=6)
+    for b in p.batches:
+        assert 16 * 8 <= b.rollouts <= alloc.budget_for(8) == 20 * 8
+        assert b.rollouts == 8 * (16 + b.metrics["rollout/backfilled"])
+    assert p.rollouts_per_step > plain.rollouts_per_step
 
 
 # ---------------------------------------------------------------------- calibration

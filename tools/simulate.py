@@ -1,10 +1,12 @@
-"""Predict step time and tokens/s/device of sync, sync_split and periodic from stage costs.
+"""Predict step time and tokens/s/device of sync, sync_split, periodic and async from stage costs.
 
     python tools/simulate.py calibrate RUN_DIR... -o calib.json [--warmup 2] [--engine auto]
     python tools/simulate.py check --calib calib.json [--steps 30]
-    python tools/simulate.py predict --calib calib.json --mode periodic [--costs-from MODE]
+    python tools/simulate.py predict --calib calib.json --mode periodic|async [--eta 1] [--costs-from MODE]
         [--rollout-devices R] [--trainer-devices T] [--slots S] [--prompts B] [--n K]
         [--micro-batch M] [--lengths SPEC] [--prompt-lengths SPEC] [--steps 20] [--seed 0]
+        [--group-sizing fixed|sagc [--sagc-candidates 4,8,16]]
+        [--selection none|pilot|backfill [--success beta:1,1] [--dataset-size 1000]]
     python tools/simulate.py project [--model Qwen2.5-7B-Instruct] [--devices 8,16,32,64]
         [--lengths lognormal:200,0.5,512] [--prompt-len 190] [--prompts-per-device 8] [--n 8]
         [--slots 64] [--split-slots N] [--micro-batch 4] [--tp 4] [--steps 4]
@@ -12,7 +14,11 @@
 The replay (tools/sim/replay.py) makes the real producer's decisions: the batch plan, continuous
 batching per engine, groups scored and handed over in completion order (periodic) or after the
 whole batch (sync_split), micro-batches of a DP rank's groups as they arrive, one optimizer step
-and one weight sync per batch.
+and one weight sync per batch; async dispatches batch b as soon as the engines hold version
+b - 1 - eta (the runtime's staleness rule), so batches b + 1 .. b + eta generate meanwhile. One
+reward call per poll of the producer. The plug-ins are the runtime's own: group sizing (fixed,
+sagc: StragglerAwareGroupSize fed the simulated lengths) and selection (pilot-commit, backfill:
+the Allocator fed binary rewards drawn from per-prompt success probabilities, --success).
 
 - calibrate: fits each mode's costs on its runs (trainer.record_timeline=true): per engine step
   (decode / prefill forwards, per row, per token; the engine model - incremental or reprefill -
@@ -22,7 +28,8 @@ and one weight sync per batch.
 - check: each calibrated mode predicted with its own costs and with the other split mode's,
   against its measured mean step time and perf/throughput.
 - predict: one mode on any cluster and workload with calibrated costs. SPEC: fixed:N |
-  lognormal:MEDIAN,SIGMA,CAP | pareto:XM,ALPHA,CAP | empirical:RUN_DIR.
+  lognormal:MEDIAN,SIGMA,CAP | pareto:XM,ALPHA,CAP | empirical:RUN_DIR. async and the plug-ins
+  also print what each batch did (K, rollouts, the policy lag of its oldest sample).
 - project: costs derived from hardware assumptions (each printed with its source) for a model on
   Ascend 910B NPUs, every mode on 8..64 devices, the trainer / rollout split searched.
 """
@@ -40,6 +47,7 @@ from sim.calibration import calibrate, predict_from_calibration  # noqa: E402
 from sim.costs import Cluster, Costs, Workload  # noqa: E402
 from sim.flops import ModelShape  # noqa: E402
 from sim.lengths import EmpiricalLengths, FixedLengths, parse_lengths  # noqa: E402
+from sim.planner import PromptSet  # noqa: E402
 from sim.projection import Hardware, costs_from_hardware  # noqa: E402
 from sim.replay import simulate  # noqa: E402
 
@@ -105,7 +113,9 @@ def cmd_predict(args) -> None:
         calib = json.load(f)
     src = args.costs_from or args.mode
     if src not in calib["modes"]:
-        src = {"periodic": "sync_split", "sync_split": "periodic"}.get(args.mode, src)
+        src = {"periodic": "sync_split", "sync_split": "periodic", "async": "periodic"}.get(args.mode, src)
+    if src not in calib["modes"] and args.mode == "async":
+        src = "sync_split"
     m = calib["modes"][src]
     wl = m["workload"]
     base = Workload(wl["prompts"], wl["n"], EmpiricalLengths(wl["response_lengths"]),
@@ -119,8 +129,12 @@ def cmd_predict(args) -> None:
     else:
         cluster = Cluster(args.rollout_devices or cl["engines"],
                           args.trainer_devices or max(1, cl["devices"] - cl["engines"]), args.slots or wl["slots"])
-    p = simulate(args.mode, workload, cluster, Costs.from_dict(m["costs"]), steps=args.steps, seed=args.seed)
-    print(f"mode {args.mode} (costs calibrated on {src}: {', '.join(m['runs'])})")
+    sizer, alloc, prompts = _plugins(args, workload)
+    p = simulate(args.mode, workload, cluster, Costs.from_dict(m["costs"]), steps=args.steps, seed=args.seed,
+                 eta=args.eta, sizer=sizer, allocator=alloc, prompts=prompts)
+    eta = f", eta {args.eta}" if args.mode == "async" else ""
+    print(f"mode {args.mode}{eta} (costs calibrated on {src}: {', '.join(m['runs'])}); group sizing "
+          f"{args.group_sizing}, selection {args.selection}")
     print(f"cluster: {cluster}")
     print(f"workload: {workload.prompts} prompts x {workload.n}, responses {workload.response_lengths.spec}, "
           f"prompts {workload.prompt_lengths.spec}, micro-batch {workload.micro_batch_size}")
@@ -128,6 +142,30 @@ def cmd_predict(args) -> None:
           f"sync {p.sync_s:.4f} s), {p.tokens_per_step:.0f} tokens/step, {p.tokens_per_s_per_device:.0f} "
           f"tokens/s/device on {p.devices} devices; rollout idle {p.rollout_idle:.0%}, trainer waiting "
           f"{p.trainer_idle:.0%}")
+    if p.batches is not None:
+        print(f"simulated wall time {p.wall_s:.4f} s, {p.rollouts_per_step:.1f} rollouts/step")
+        print("| batch | K | rollouts | dispatched at s | engines' version then | oldest sample's lag | step s |")
+        print("|---|---|---|---|---|---|---|")
+        for b in p.batches:
+            print(f"| {b.step} | {b.group_size} | {b.rollouts} | {b.dispatch:.4f} | {b.dispatch_version} | "
+                  f"{b.step - 1 - b.oldest_version} | {b.sync_end - b.t0:.4f} |")
+
+
+def _plugins(args, workload: Workload):
+    """The runtime's plug-ins for --group-sizing / --selection (None where off)."""
+    from periodic_async.config.sections import SAGCConfig
+    from periodic_async.scheduling.allocation import Allocator, BackfillConfig, PilotConfig
+    from periodic_async.scheduling.group_sizing import StragglerAwareGroupSize
+    sizer = alloc = prompts = None
+    if args.group_sizing == "sagc":
+        cands = tuple(int(x) for x in args.sagc_candidates.split(","))
+        sizer = StragglerAwareGroupSize(SAGCConfig(candidates=cands, seed=args.seed), workload.n)
+    if args.selection != "none":
+        pilot = PilotConfig(enabled=args.selection == "pilot")
+        backfill = BackfillConfig(enabled=args.selection == "backfill")
+        alloc = Allocator(pilot, backfill, workload.prompts, workload.n, args.dataset_size)
+        prompts = PromptSet(workload, args.dataset_size, args.success, seed=args.seed)
+    return sizer, alloc, prompts
 
 
 # ---------------------------------------------------------------------- the 910B projection
@@ -236,8 +274,15 @@ def main(argv=None) -> int:
     k.set_defaults(fn=cmd_check)
     q = sub.add_parser("predict")
     q.add_argument("--calib", required=True)
-    q.add_argument("--mode", required=True, choices=["sync", "sync_split", "periodic"])
+    q.add_argument("--mode", required=True, choices=["sync", "sync_split", "periodic", "async"])
+    q.add_argument("--eta", type=int, default=0, help="async: max_staleness (batches dispatched ahead)")
     q.add_argument("--costs-from", default=None, choices=["sync", "sync_split", "periodic"])
+    q.add_argument("--group-sizing", default="fixed", choices=["fixed", "sagc"])
+    q.add_argument("--sagc-candidates", default="4,8,16", help="sagc: the group sizes (--n among them)")
+    q.add_argument("--selection", default="none", choices=["none", "pilot", "backfill"])
+    q.add_argument("--success", default="beta:1,1",
+                   help="selection: per-prompt success probability, fixed:P | uniform:LO,HI | beta:A,B")
+    q.add_argument("--dataset-size", type=int, default=1000, help="selection: prompts in the simulated dataset")
     q.add_argument("--rollout-devices", type=int, default=None, help="engines (sync: colocated engines)")
     q.add_argument("--trainer-devices", type=int, default=None, help="trainer devices (sync: all devices)")
     q.add_argument("--slots", type=int, default=None)
