@@ -317,7 +317,10 @@ def kill_worker_hook(killed: dict, at_version: int, worker: int = 0):
 # ---------------------------------------------------------------------- variable group sizes
 
 
-class CyclingGroupSize:
+from periodic_async.scheduling.group_sizing import GroupSizer  # noqa: E402
+
+
+class CyclingGroupSize(GroupSizer):
     """A group sizer (scheduling/group_sizing.py) giving prompt i of every batch K = sizes[i % len]."""
 
     def __init__(self, sizes):

@@ -404,7 +404,7 @@ def test_duplicate_delivery_is_ignored_and_a_conflicting_one_raises():
     (_pilot(replay_max_age=-1), BackfillConfig(), "rollout.pilot.replay_max_age"),
     (_pilot(p_lower="a"), BackfillConfig(), "rollout.pilot.p_lower must be a finite number"),
     (PilotConfig(), BackfillConfig(enabled=True, max_groups=-1), "rollout.backfill.max_groups"),
-    (_pilot(), BackfillConfig(enabled=True), "rollout.backfill.enabled: cannot be combined"),
+    (_pilot(), BackfillConfig(enabled=True), "rollout.backfill: cannot be combined with the pilot"),
 ])
 def test_validation_names_the_key(pilot, backfill, message):
     with pytest.raises(ValueError, match=message):

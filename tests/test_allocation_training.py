@@ -28,11 +28,11 @@ BASE = ["data.train_batch_size=8", "rollout.n=4", "rollout.max_new_tokens=8", "a
 SWITCHES = {
     # groups of 2: at random init rewards are mostly 0.0 or 0.1, so many pairs are equal and
     # backfill acts in every run (with 4, one run of 3 steps saw none)
-    "backfill": ["rollout.backfill.enabled=true", "rollout.n=2"],
+    "backfill": ["rollout.selection=backfill", "rollout.n=2"],
     # success = the first character right (reward >= 0.1); 2 of 2 solved, 0 of 2 deferred; 12
     # candidates whose pilots leave budget for 4 commits, so surplus passers go to the replay buffer
     # (its fill rounds are tested in test_allocation.py)
-    "pilot": ["rollout.pilot.enabled=true", "rollout.pilot.success_threshold=0.1", "rollout.pilot.p_upper=1.0",
+    "pilot": ["rollout.selection=pilot", "rollout.pilot.success_threshold=0.1", "rollout.pilot.p_upper=1.0",
               "rollout.pilot.num_candidates=12"],
 }
 
@@ -141,7 +141,7 @@ def test_resumed_run_makes_the_same_decisions(sync_run, tmp_path):
 def test_step_with_nothing_to_train_leaves_the_policy_unchanged(tmp_path):
     """Every pilot deferred (no exact answer from a random model): no group is trainable, each
     step runs loss-free padding micro-batches and skips the update."""
-    trainer = Trainer(_cfg(tmp_path, "periodic", "rollout.pilot.enabled=true", "rollout.pilot.success_threshold=1.0",
+    trainer = Trainer(_cfg(tmp_path, "periodic", "rollout.selection=pilot", "rollout.pilot.success_threshold=1.0",
                            steps=2))
     before = {n: p.detach().clone() for n, p in trainer.actor.policy.named_parameters()}
     history = trainer.fit()
@@ -184,12 +184,13 @@ def test_padding_micro_batches_carry_no_loss(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["rollout.pilot.enabled=true", "rollout.backfill.enabled=true"], "rollout.backfill.enabled: cannot be combined"),
-    (["rollout.pilot.enabled=true", "rollout.pilot.n_pilot=4"], "rollout.pilot.n_pilot must be in [1, rollout.n - 1]"),
+    (["rollout.pilot.enabled=true"], "rollout.pilot.enabled: set rollout.selection: pilot instead"),
+    (["rollout.selection=backfill", "rollout.backfill.max_groups=-1"], "rollout.backfill.max_groups must be >= 0"),
+    (["rollout.selection=pilot", "rollout.pilot.n_pilot=4"], "rollout.pilot.n_pilot must be in [1, rollout.n - 1]"),
     # the allocator takes each step's K from the sizer: every candidate must leave a commit
-    (["rollout.pilot.enabled=true", "rollout.group_sizing=sagc", "rollout.sagc.candidates=[2, 4]"],
+    (["rollout.selection=pilot", "rollout.group_sizing=sagc", "rollout.sagc.candidates=[2, 4]"],
      "rollout.sagc.candidates: with K = 2: rollout.pilot.n_pilot must be in"),
-    (["rollout.pilot.enabled=true", "rollout.pilot.budget=9"], "rollout.pilot.budget: 9 rollouts do not cover"),
+    (["rollout.selection=pilot", "rollout.pilot.budget=9"], "rollout.pilot.budget: 9 rollouts do not cover"),
 ])
 def test_bad_allocation_config_is_refused_naming_the_key(tmp_path, overrides, message):
     cfg = _cfg(tmp_path, "sync", *overrides)

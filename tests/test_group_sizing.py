@@ -291,8 +291,8 @@ def test_config_wiring_names_the_key():
                                                "rollout.sagc.tau=3"])
     assert cfg.rollout.sagc.candidates == (4, 8) and cfg.rollout.sagc.tau == 3.0
     cfg.validate(world_size=1)
-    with pytest.raises(ConfigError, match="rollout.group_sizing: 'adaptive' is not allowed; allowed: fixed, sagc"):
-        load_config("configs/default.yaml", ["rollout.group_sizing=adaptive"]).validate(world_size=1)
+    with pytest.raises(ConfigError, match="rollout.group_sizing: unknown sizer 'adaptive'; registered: fixed, sagc"):
+        build_group_sizer(load_config("configs/default.yaml", ["rollout.group_sizing=adaptive"]).rollout)
     with pytest.raises(ConfigError, match="rollout.sagc.delta: must be in"):
         load_config("configs/default.yaml", ["rollout.group_sizing=sagc",
                                              "rollout.sagc.delta=2"]).validate(world_size=1)

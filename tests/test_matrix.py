@@ -96,6 +96,83 @@ def test_refused_cell_says_why(mode, plugin, tmp_path):
         _cfg(tmp_path, mode, plugin).validate(world_size=1)
 
 
+# ---------------------------------------------------------------------- a new selection rule
+# A rule is one file that registers a name (scheduling/selection/); this one lives in the test: it
+# draws B prompts, sends each a full group of K and trains only the groups whose mean reward
+# reaches a threshold (a per-group verdict, so arrival order cannot change it). Its state is keyed
+# by step; it counts what it dropped and saves that count in checkpoints.
+from periodic_async.scheduling.alloc_types import FULL, AllocRequest, Outcome, TrainableGroup  # noqa: E402
+from periodic_async.scheduling.selection import SELECTIONS, register_selection  # noqa: E402
+
+
+class MeanRewardFloor:
+    floor = 0.05
+
+    def __init__(self, batch_size: int, group_size: int):
+        self.batch_size, self.group_size = batch_size, group_size
+        self._steps: dict[int, dict] = {}       # step -> {slot: (key, K)}, {"dropped": n}
+        self.dropped_total = 0
+
+    def begin_step(self, step, draw, group_size=None):
+        k = group_size or self.group_size
+        slots = {}
+        for slot in range(self.batch_size):
+            got = draw()
+            if got is None:
+                break
+            slots[slot] = (got.key, k)
+        self._steps[step] = {"slots": slots, "dropped": 0, "open": set(slots)}
+        return [AllocRequest(s, key, FULL, k, tuple(range(k))) for s, (key, k) in slots.items()]
+
+    def on_group(self, step, slot, phase, rewards):
+        st = self._steps[step]
+        st["open"].discard(slot)
+        key, k = st["slots"][slot]
+        ready = []
+        if sum(rewards) / len(rewards) >= self.floor:
+            ready = [TrainableGroup(slot, key, k, (AllocRequest(slot, key, FULL, k, tuple(range(k))),), tuple(rewards))]
+        else:
+            st["dropped"] += 1
+        return Outcome(ready=ready, done=not st["open"])
+
+    def end_step(self, step):
+        st = self._steps.pop(step)
+        self.dropped_total += st["dropped"]
+        return {"alloc/test_floor_dropped": float(st["dropped"])}
+
+    def state_dict(self):
+        return {"dropped_total": self.dropped_total}
+
+    def load_state_dict(self, state):
+        self.dropped_total = state["dropped_total"]
+
+
+if "test_mean_reward_floor" not in SELECTIONS:
+    register_selection("test_mean_reward_floor")(
+        lambda rollout_cfg, batch_size, group_size, num_prompts: MeanRewardFloor(batch_size, group_size))
+PLUGINS["fixed-floor"] = ["rollout.selection=test_mean_reward_floor"]
+
+
+@pytest.mark.parametrize("mode", ["sync_split", "periodic", "async0"])
+def test_a_selection_rule_registered_in_a_test_runs_in_every_mode(mode, sync_reference, tmp_path):
+    """The rule above runs through the producer core in sync (the reference) and every eta-0
+    mode, and each equals sync: the same groups dropped, losses and parameters. With eta > 0 it is
+    refused for the reason pilot and backfill are."""
+    ref_history, ref_params = sync_reference("fixed-floor")
+    dropped = [h["alloc/test_floor_dropped"] for h in ref_history]
+    assert 0 < sum(dropped) < 8 * STEPS, dropped        # the rule acted, and left something to train
+    history, params = _train(tmp_path, mode, "fixed-floor")
+    _assert_same_training(history, params, ref_history, ref_params)
+    assert [h["alloc/test_floor_dropped"] for h in history] == dropped
+    with pytest.raises(ConfigError, match="rollout.selection: 'test_mean_reward_floor' is not supported"):
+        _cfg(tmp_path, "async2", "fixed-floor").validate(world_size=1)
+
+
+def test_an_unknown_selection_rule_is_refused_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="rollout.selection: unknown rule 'nonesuch'; registered: .*backfill"):
+        Trainer(load_config("configs/default.yaml", [f"trainer.run_dir={tmp_path}", "rollout.selection=nonesuch"]))
+
+
 # ---------------------------------------------------------------------- DP = 2 under torchrun
 # One cell of each mode with two trainer ranks (periodic's is in test_tri_model.py): the same
 # decisions as single-process sync with the same plug-ins, and its losses up to DP's summation order.

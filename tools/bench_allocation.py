@@ -43,11 +43,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 VARIANTS = {
     "grpo": [],
-    "backfill": ["rollout.backfill.enabled=true"],
-    "pilot": ["rollout.pilot.enabled=true", "rollout.pilot.success_threshold=0.3"],
+    "backfill": ["rollout.selection=backfill"],
+    "pilot": ["rollout.selection=pilot", "rollout.pilot.success_threshold=0.3"],
     # 64 prompts piloted per step (2B at the configs' B = 32): 2B x n_pilot pilot rollouts leave
     # B x (K - 2 n_pilot) of the B x K budget for commits, so more passers are found when most fail
-    "pilot2b": ["rollout.pilot.enabled=true", "rollout.pilot.success_threshold=0.3",
+    "pilot2b": ["rollout.selection=pilot", "rollout.pilot.success_threshold=0.3",
                 "rollout.pilot.num_candidates=64"],
     "fixed4": ["rollout.n=4"],
     "fixed8": ["rollout.n=8"],

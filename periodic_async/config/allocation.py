@@ -18,7 +18,7 @@ _THRESHOLD_MAX_DENOMINATOR = 10 ** 6
 @dataclass
 class PilotConfig:
     """rollout.pilot: pilot-commit allocation (scheduling/allocation.py)."""
-    enabled: bool = False
+    enabled: bool = False                 # set by rollout.selection: pilot (the allocator's switch)
     n_pilot: int = 2                      # pilot rollouts per prompt; commit = K - n_pilot
     p_lower: float = 0.0                  # p <= p_lower: deferred to the next epoch
     p_upper: float = 1.0                  # p >= p_upper: solved, never sampled again
@@ -38,7 +38,7 @@ class PilotConfig:
         if not self.enabled:
             return
         if group_size < 2:
-            raise ValueError(f"rollout.n must be >= 2 with rollout.pilot.enabled, got {group_size}")
+            raise ValueError(f"rollout.n must be >= 2 with rollout.selection pilot, got {group_size}")
         if not 1 <= self.n_pilot < group_size:
             raise ValueError(f"rollout.pilot.n_pilot must be in [1, rollout.n - 1] = [1, {group_size - 1}] so that "
                              f"a commit of at least one rollout follows, got {self.n_pilot}")
@@ -74,7 +74,7 @@ class PilotConfig:
 @dataclass
 class BackfillConfig:
     """rollout.backfill: in-batch replacement of zero-variance groups (scheduling/allocation.py)."""
-    enabled: bool = False
+    enabled: bool = False                 # set by rollout.selection: backfill (the allocator's switch)
     max_groups: Optional[int] = None      # extra groups drawn per step at most; None: B
 
     def resolved_max_groups(self, batch_size: int) -> int:
@@ -92,9 +92,8 @@ def validate_allocation(pilot: PilotConfig, backfill: BackfillConfig, batch_size
     pilot.validate(batch_size, group_size)
     backfill.validate(batch_size)
     if pilot.enabled and backfill.enabled:
-        raise ValueError("rollout.backfill.enabled: cannot be combined with rollout.pilot.enabled - a committed "
-                         "pilot holds a success and a failure, so its groups always have varying rewards and "
-                         "backfill would never act; enable one of the two")
+        raise ValueError("rollout.backfill: cannot be combined with the pilot - a committed pilot holds a success "
+                         "and a failure, so its groups always have varying rewards and backfill would never act")
 
 
 def threshold_fraction(value: Any, key: str = "threshold") -> Fraction:

@@ -159,12 +159,13 @@ class RolloutConfig:
     # straggler-aware group control from rollout.sagc.candidates, starting at rollout.n)
     group_sizing: str = "fixed"
     sagc: SAGCConfig = field(default_factory=SAGCConfig)
-    # Which prompts get rollouts within a step (scheduling/allocation.py, docs/allocation.md), each
-    # off by default. pilot: n_pilot rollouts per prompt first; solved prompts (pilot success rate
+    # Which prompts get rollouts within a step, and which groups are trained: a rule registered by
+    # name (scheduling/selection/; docs/allocation.md): none | pilot | backfill. pilot: n_pilot rollouts per prompt first; solved prompts (pilot success rate
     # >= p_upper) are never sampled again, hopeless ones (<= p_lower) wait for the next epoch, the
     # rest get their K - n_pilot more, within `budget` rollouts per step. backfill: a group whose K
     # rewards are all equal (no GRPO gradient) is dropped and a fresh prompt sent in its place under
-    # the same policy, at most max_groups per step. One of the two at a time.
+    # the same policy, at most max_groups per step. Each rule's settings are its own section.
+    selection: str = "none"
     pilot: PilotConfig = field(default_factory=PilotConfig)
     backfill: BackfillConfig = field(default_factory=BackfillConfig)
 

@@ -9,6 +9,7 @@ devices (memory_plan.py). Components may re-check their own arguments where they
 (scheduling/mode.py, reward/manager.py, data/synthetic.py); a config that passes here passes those."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import string
 from typing import TYPE_CHECKING, Any, Optional
@@ -148,22 +149,27 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
     _positive("rollout.n", cfg.rollout.n)
     if cfg.rollout.n < 2:
         raise ConfigError(f"rollout.n: group size must be >= 2 for group-normalised advantages, got {cfg.rollout.n}")
-    _choice("rollout.group_sizing", cfg.rollout.group_sizing, ("fixed", "sagc"))
     if cfg.rollout.group_sizing == "sagc":
         validate_sagc(cfg.rollout.sagc, cfg.rollout.n)
-    allocating = cfg.rollout.pilot.enabled or cfg.rollout.backfill.enabled
-    if allocating:
+    for rule in ("pilot", "backfill"):
+        if getattr(cfg.rollout, rule).enabled:
+            raise ConfigError(f"rollout.{rule}.enabled: set rollout.selection: {rule} instead (one rule at a time)")
+    # the rule's own section, as the rule will use it (a registered rule's name is checked when the
+    # trainer starts: scheduling/selection/, a layer above this one)
+    pilot = dataclasses.replace(cfg.rollout.pilot, enabled=cfg.rollout.selection == "pilot")
+    backfill = dataclasses.replace(cfg.rollout.backfill, enabled=cfg.rollout.selection == "backfill")
+    if pilot.enabled or backfill.enabled:
         try:
-            validate_allocation(cfg.rollout.pilot, cfg.rollout.backfill, cfg.data.train_batch_size, cfg.rollout.n)
+            validate_allocation(pilot, backfill, cfg.data.train_batch_size, cfg.rollout.n)
         except ConfigError:
             raise
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if cfg.rollout.group_sizing == "sagc" and cfg.rollout.pilot.enabled:
+        if cfg.rollout.group_sizing == "sagc" and pilot.enabled:
             # the allocator takes each step's K from the sizer: every candidate K must leave a commit
             for k in cfg.rollout.sagc.candidates:
                 try:
-                    validate_allocation(cfg.rollout.pilot, cfg.rollout.backfill, cfg.data.train_batch_size, int(k))
+                    validate_allocation(pilot, backfill, cfg.data.train_batch_size, int(k))
                 except ValueError as e:
                     raise ConfigError(f"rollout.sagc.candidates: with K = {k}: {e}") from None
     for key in ("data.train_batch_size", "data.max_prompt_length", "rollout.max_new_tokens",
@@ -345,8 +351,8 @@ def _check_async(cfg) -> None:
                               f"'{cfg.trainer.mode}' is strictly on-policy)")
         return
     # what the async mode does not do (yet): each named so that the user knows which to drop
-    if eta > 0 and (cfg.rollout.pilot.enabled or cfg.rollout.backfill.enabled):
-        raise ConfigError("rollout.pilot / rollout.backfill: not supported with trainer.mode async and "
-                          "trainer.max_staleness > 0 yet: the allocator draws prompts during its step (commits, "
+    if eta > 0 and cfg.rollout.selection != "none":
+        raise ConfigError(f"rollout.selection: '{cfg.rollout.selection}' is not supported with trainer.mode async and "
+                          "trainer.max_staleness > 0 yet: a selection rule draws prompts during its step (commits, "
                           "backfills), which would interleave with the next batches' draws; use max_staleness 0 "
                           "or mode periodic")

@@ -1,7 +1,11 @@
 """Group size K per prompt, chosen when a batch is planned (torch-free).
 
 Every group carries its own K (RolloutRequest.n, Group.size); nothing downstream assumes a
-constant. A sizer is any object with `group_size(step, group_index) -> int`; two live here:
+constant. A sizer is a `GroupSizer` registered by name (`rollout.group_sizing`, `GROUP_SIZERS`;
+a new one is one `register_group_sizer("name")` away); the producer core calls it, in every mode:
+`begin_step(step, prompt_keys)` when a batch is planned, `group_size(step, i)` per prompt,
+`observe(step, lengths, prompt_keys)` when the batch's responses are all in (its metrics), and
+`state_dict` / `load_state_dict` for checkpoints. Two are built in:
 
 - `FixedGroupSize`: `rollout.n` for every prompt (`rollout.group_sizing: fixed`, the default).
 - `StragglerAwareGroupSize` (`rollout.group_sizing: sagc`): one K per step, chosen from a few
@@ -41,7 +45,7 @@ import math
 import random
 import statistics
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 # rollout.sagc's checks live with the other config checks; re-exported here for SAGC's users
 from ..config.validation import validate_sagc  # noqa: F401
@@ -51,8 +55,30 @@ PRIOR_BETA = 1.0
 PROMPT_PRIOR_DRAWS = 64  # Monte Carlo batches per prediction of the prompt prior
 
 
+class GroupSizer:
+    """What the producer core calls (module docstring); a sizer that learns nothing keeps the
+    defaults."""
+
+    def begin_step(self, step: int, prompt_keys: Optional[Sequence[str]] = None) -> None:
+        """The batch of `step` is being planned, with these prompts."""
+
+    def group_size(self, step: int, group_index: int) -> int:
+        raise NotImplementedError
+
+    def observe(self, step: int, lengths: Sequence[Sequence[int]],
+                prompt_keys: Optional[Sequence[str]] = None) -> dict[str, float]:
+        """The batch's response lengths, per trained group: its metrics."""
+        return {}
+
+    def state_dict(self) -> Optional[dict]:
+        return None
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
 @dataclass
-class FixedGroupSize:
+class FixedGroupSize(GroupSizer):
     n: int
 
     def group_size(self, step: int, group_index: int) -> int:
@@ -82,11 +108,29 @@ def choose_size(candidates: Sequence[int], current: int, draws: Sequence[float],
     return best
 
 
-def build_group_sizer(rollout_cfg):
-    """The sizer rollout.group_sizing names: FixedGroupSize(rollout.n) or SAGC starting at rollout.n."""
-    if rollout_cfg.group_sizing == "sagc":
-        return StragglerAwareGroupSize(rollout_cfg.sagc, rollout_cfg.n)
-    return FixedGroupSize(rollout_cfg.n)
+GROUP_SIZERS: dict[str, Callable[..., GroupSizer]] = {}
+
+
+def register_group_sizer(name: str):
+    """Decorator: register `factory(rollout_cfg) -> GroupSizer` under `name` (rollout.group_sizing)."""
+    def register(factory):
+        if name in GROUP_SIZERS and GROUP_SIZERS[name] is not factory:
+            raise ValueError(f"rollout.group_sizing: '{name}' is registered twice")
+        GROUP_SIZERS[name] = factory
+        return factory
+    return register
+
+
+def check_group_sizing(name: str) -> None:
+    if name not in GROUP_SIZERS:
+        from ..errors import ConfigError
+        raise ConfigError(f"rollout.group_sizing: unknown sizer '{name}'; registered: {', '.join(sorted(GROUP_SIZERS))}")
+
+
+def build_group_sizer(rollout_cfg) -> GroupSizer:
+    """The sizer rollout.group_sizing names (fixed: rollout.n; sagc: starting at rollout.n)."""
+    check_group_sizing(rollout_cfg.group_sizing)
+    return GROUP_SIZERS[rollout_cfg.group_sizing](rollout_cfg)
 
 
 def predict_straggler_probability(fits: Sequence[tuple[float, float]], candidates: Sequence[int], tau: float,
@@ -109,7 +153,7 @@ def predict_straggler_probability(fits: Sequence[tuple[float, float]], candidate
     return out
 
 
-class StragglerAwareGroupSize:
+class StragglerAwareGroupSize(GroupSizer):
     """SAGC (module docstring): one group size per step, from `cfg.candidates`, starting at
     `start_size`. Protocol, once per step: `begin_step(step, prompt_keys)` (or the first
     `group_size(step, i)`) decides G_t; `observe(step, lengths, prompt_keys)` once the step's
@@ -239,3 +283,7 @@ class StragglerAwareGroupSize:
         self.prompt_history = {k: [float(x) for x in v] for k, v in state["prompt_history"].items()}
         self.length_cap = float(state["length_cap"])
         self.pending = {int(t): (int(g), q) for t, (g, q) in state.get("pending", {}).items()}
+
+
+register_group_sizer("fixed")(lambda rollout_cfg: FixedGroupSize(rollout_cfg.n))
+register_group_sizer("sagc")(lambda rollout_cfg: StragglerAwareGroupSize(rollout_cfg.sagc, rollout_cfg.n))

@@ -4,8 +4,8 @@ apart from the request types).
 A plan is also what the producer asks, request by request, what follows: `on_scored(request,
 part)` once a request's responses are in and rewarded returns more requests to send (under the
 same policy version) and the groups ready to train on. A plain `BatchPlan` sends everything at
-once and trains every group; `AllocatedPlan` asks the allocator (allocation.py: pilot-commit,
-backfill). Either way the trainer is told up front how many groups of which K it will receive
+once and trains every group; `AllocatedPlan` asks the step's selection rule (selection/:
+pilot-commit, backfill, or any registered one). Either way the trainer is told up front how many groups of which K it will receive
 (`train_sizes`), and `finish()` fills the positions no group took with empty groups, so that every
 trainer rank knows its micro-batch count before the batch's first group arrives.
 """
@@ -17,7 +17,6 @@ from typing import Callable
 from ..data.records import DatasetError
 from ..rollout.base import RolloutRequest, RolloutResult, SamplingParams
 from .alloc_types import AllocRequest, Candidate
-from .allocation import Allocator
 from .group import Group
 from .group_sizing import FixedGroupSize, prompt_key
 
@@ -78,18 +77,19 @@ class BatchPlan:
 
 @dataclass
 class AllocatedPlan(BatchPlan):
-    """A batch whose requests the allocator (allocation.py) decides as the step goes: pilots then
-    commits, or full groups and backfills. Slots are the allocator's (group_index = slot of every
+    """A batch whose requests a selection rule (selection/; e.g. allocation.py's Allocator) decides
+    as the step goes: pilots then commits, or full groups and backfills. Slots are the rule's (group_index = slot of every
     request, which fixes the seed); a trainable group takes the next free training position as it
-    becomes ready, so positions follow readiness order, and decisions never do (the allocator's
+    becomes ready, so positions follow readiness order, and decisions never do (the rule's
     promise). `prompt_of(key)` -> (prompt ids, answer) of a drawn prompt."""
-    allocator: Allocator = None
+    selection: object = None        # the rule (selection/__init__.py: its contract)
     prompt_of: Callable = None
     sampling: SamplingParams = None
     seed: int = 0
     group_size: int = 0
     max_groups: int = 0
     _parts: dict = field(default_factory=dict)      # slot -> {phase: rewarded part Group}
+    _phases: dict = field(default_factory=dict)     # (slot, sample indices) -> phase of that request
     _positions: int = 0
     _metrics: dict = field(default_factory=dict)
     _reward_sum: float = 0.0        # over every rollout of the step, trained on or not
@@ -102,15 +102,16 @@ class AllocatedPlan(BatchPlan):
     def to_request(self, req: AllocRequest) -> RolloutRequest:
         ids, answer = self.prompt_of(req.key)
         self.answers[req.slot] = answer
+        self._phases[(req.slot, tuple(req.sample_indices))] = req.phase
         return RolloutRequest(req.slot, ids, req.group_size, self.sampling, request_seed(self.seed, self.step, req.slot),
                               sample_indices=list(req.sample_indices))
 
     def on_scored(self, request: RolloutRequest, part: Group) -> tuple[list[RolloutRequest], list[Group]]:
-        phase = self._phase_of(request)
+        phase = self._phases[(request.group_index, tuple(request.samples()))]
         self._parts.setdefault(request.group_index, {})[phase] = part
         self._reward_sum += sum(part.rewards)
         self._reward_count += len(part.rewards)
-        out = self.allocator.on_group(self.step, request.group_index, phase, part.rewards)
+        out = self.selection.on_group(self.step, request.group_index, phase, part.rewards)
         more = [self.to_request(r) for r in out.requests]
         ready = []
         for tg in out.ready:
@@ -121,21 +122,15 @@ class AllocatedPlan(BatchPlan):
                 raise RuntimeError(f"step {self.step}, slot {tg.slot}: the parts {[a.phase for a in tg.parts]} hold "
                                    f"samples {[r.sample_index for r in results]}, not 0..{tg.group_size - 1}")
             if self._positions >= self.max_groups:
-                raise RuntimeError(f"step {self.step}: the allocator made more than {self.max_groups} groups trainable")
+                raise RuntimeError(f"step {self.step}: the selection rule made more than {self.max_groups} groups trainable")
             ready.append(Group(self._positions, part.prompt_ids, part.answer, results, rewards))
             self._positions += 1
         return more, ready
 
-    def _phase_of(self, request: RolloutRequest) -> str:
-        from .alloc_types import COMMIT, FULL, PILOT
-        if not self.allocator.pilot.enabled:
-            return FULL
-        return PILOT if min(request.samples()) < self.allocator.pilot.n_pilot else COMMIT
-
     def finish(self) -> list[Group]:
-        self._metrics = self.allocator.end_step(self.step)
+        self._metrics = self.selection.end_step(self.step)
         # the policy's score on everything it generated: critic/score/mean covers the trained
-        # groups only, which the allocator selects
+        # groups only, which the selection rule picks
         if self._reward_count:
             self._metrics["alloc/score_all/mean"] = self._reward_sum / self._reward_count
         empty = [Group(i, [], "", []) for i in range(self._positions, self.max_groups)]
@@ -156,16 +151,16 @@ class BatchPlanner:
     """
 
     def __init__(self, loader, tokenize: Callable, sampling: SamplingParams, seed: int, group_sizer=None,
-                 default_n: int = 8, allocator: Allocator | None = None):
+                 default_n: int = 8, selection=None):
         self.loader, self.tokenize, self.sampling, self.seed = loader, tokenize, sampling, seed
         self.group_sizer = group_sizer if group_sizer is not None else FixedGroupSize(default_n)
-        self.allocator = allocator      # pilot-commit / backfill (rollout.pilot, rollout.backfill), or None
+        self.selection = selection      # the rule rollout.selection names (selection/), or None: plain batches
         self._records = {rec.index: rec for rec in loader.records}
         self._ids: dict[int, list[int]] = {}
 
     def plan(self, step: int) -> BatchPlan:
-        if self.allocator is not None:
-            return self._allocated_plan(step)
+        if self.selection is not None:
+            return self._selected_plan(step)
         pending = list(self.loader.next_batch())   # a copy: replacements are appended to it
         records, prompts = [], []
         skipped_in_a_row = 0
@@ -182,9 +177,8 @@ class BatchPlanner:
             skipped_in_a_row = 0
             records.append(rec)
             prompts.append(ids)
-        begin_step = getattr(self.group_sizer, "begin_step", None)
-        if begin_step is not None:      # a sizer that picks one K per step sees the batch's prompts first
-            begin_step(step, [prompt_key(ids) for ids in prompts])
+        # a sizer that picks one K per step sees the batch's prompts first
+        self.group_sizer.begin_step(step, [prompt_key(ids) for ids in prompts])
         requests = []
         for i, (rec, ids) in enumerate(zip(records, prompts)):
             k = int(self.group_sizer.group_size(step, i))
@@ -195,21 +189,21 @@ class BatchPlanner:
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps of the planner: the loader's position, the group sizer's and
-        the allocator's state (None where they hold none)."""
-        sizer_state = getattr(self.group_sizer, "state_dict", None)
+        the selection rule's state (None where they hold none; kept under the key "allocator",
+        which checkpoints have always used)."""
         return {"loader": self.loader.state_dict(),
-                "group_sizer": sizer_state() if sizer_state is not None else None,
-                "allocator": self.allocator.state_dict() if self.allocator is not None else None}
+                "group_sizer": self.group_sizer.state_dict(),
+                "allocator": self.selection.state_dict() if self.selection is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.loader.load_state_dict(state["loader"])
-        if state.get("group_sizer") is not None and hasattr(self.group_sizer, "load_state_dict"):
+        if state.get("group_sizer") is not None:
             self.group_sizer.load_state_dict(state["group_sizer"])
-        if state.get("allocator") is not None and self.allocator is not None:
-            self.allocator.load_state_dict(state["allocator"])
+        if state.get("allocator") is not None and self.selection is not None:
+            self.selection.load_state_dict(state["allocator"])
 
-    def _allocated_plan(self, step: int) -> AllocatedPlan:
-        """The allocator draws the step's prompts itself (and more during the step, for backfill);
+    def _selected_plan(self, step: int) -> AllocatedPlan:
+        """The selection rule draws the step's prompts itself (and more during the step, for backfill);
         a prompt left out by `tokenize` is skipped like in plan()."""
         def draw() -> Candidate | None:
             for _ in range(2 * len(self.loader.records)):
@@ -220,13 +214,13 @@ class BatchPlanner:
             raise DatasetError(f"data.overlong_prompt: skip left out every one of the "
                                f"{len(self.loader.records)} records (all over data.max_prompt_length)")
 
-        alloc = self.allocator
-        # the step's K from the group sizer (the allocator draws the prompts, so a sizer's prompt
+        rule = self.selection
+        # the step's K from the group sizer (the rule draws the prompts, so a sizer's prompt
         # prior has none to look at yet)
         k = int(self.group_sizer.group_size(step, 0))
-        plan = AllocatedPlan(step, [], {}, allocator=alloc, prompt_of=self._prompt_of, sampling=self.sampling,
-                             seed=self.seed, group_size=k, max_groups=alloc.batch_size)
-        plan.requests = [plan.to_request(r) for r in alloc.begin_step(step, draw, group_size=k)]
+        plan = AllocatedPlan(step, [], {}, selection=rule, prompt_of=self._prompt_of, sampling=self.sampling,
+                             seed=self.seed, group_size=k, max_groups=rule.batch_size)
+        plan.requests = [plan.to_request(r) for r in rule.begin_step(step, draw, group_size=k)]
         return plan
 
     def _prompt_ids(self, index: int) -> list[int] | None:

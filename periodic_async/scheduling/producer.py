@@ -325,9 +325,8 @@ class Producer:
         """The batch's last request is in: the plan's unfilled positions, the sizer's feedback,
         then the end marker."""
         tail = b.plan.finish()
-        observe = getattr(self.planner.group_sizer, "observe", None)
-        if observe is not None:     # an adaptive sizer (rollout.group_sizing: sagc) learns from the lengths
-            b.metrics.update(observe(step, b.lengths, b.keys))
+        # an adaptive sizer (rollout.group_sizing: sagc) learns from the lengths
+        b.metrics.update(self.planner.group_sizer.observe(step, b.lengths, b.keys))
         self._put(b, b.held + tail)
         b.held = []
         b.out.put(_DONE)

@@ -99,6 +99,10 @@ class Trainer:
         arch = arch_from_hf_dir(cfg.model.path) if cfg.model.path else tiny_arch(cfg.model.tiny)
         cfg.validate(world_size=int(os.environ.get("WORLD_SIZE", "1")), num_heads=arch.num_heads,
                      num_kv_heads=arch.num_kv_heads, vocab_size=arch.vocab_size, num_layers=arch.num_layers)
+        from ..scheduling.group_sizing import check_group_sizing
+        from ..scheduling.selection import check_selection
+        check_group_sizing(cfg.rollout.group_sizing)    # registry names: checked in the layer of the registries
+        check_selection(cfg.rollout.selection)
         return arch
 
     def _read_inputs(self) -> tuple[list | None, list | None]:
@@ -270,13 +274,10 @@ class Trainer:
         sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k,
                                   cfg.rollout.max_new_tokens, stops, ignore_eos=cfg.rollout.ignore_eos)
         from ..scheduling.group_sizing import build_group_sizer
-        allocator = None
-        if cfg.rollout.pilot.enabled or cfg.rollout.backfill.enabled:
-            from ..scheduling.allocation import Allocator
-            allocator = Allocator(cfg.rollout.pilot, cfg.rollout.backfill, cfg.data.train_batch_size, cfg.rollout.n,
-                                  num_prompts=len(loader.records))
+        from ..scheduling.selection import build_selection
+        selection = build_selection(cfg.rollout, cfg.data.train_batch_size, cfg.rollout.n, len(loader.records))
         return BatchPlanner(loader, self._tokenize_prompt, sampling, cfg.trainer.seed,
-                            group_sizer=build_group_sizer(cfg.rollout), default_n=cfg.rollout.n, allocator=allocator)
+                            group_sizer=build_group_sizer(cfg.rollout), default_n=cfg.rollout.n, selection=selection)
 
     def _build_producer(self, placements, initial):
         """initial: the policy's HF-layout (name, tensor) stream (version 0) for the workers; the
