@@ -346,7 +346,7 @@ class Soak:
                 self.say(mode, last_step, f"HANG: no step for {a.stall_s:.0f}s; stopping the trainer")
                 self.stop()
                 continue
-            if workers and next_kill is not None and last_step >= next_kill:
+            if workers and next_kill is not None and next_kill <= last_step < steps:
                 mine = _children(self.proc.pid)
                 alive = [p for p in pids if p in mine and mine[p] == self.proc.pid and _alive(p)]
                 if alive:
@@ -372,11 +372,14 @@ class Soak:
                 res["restarts_seen"] += restarts
                 res["kills_unconfirmed"] += len(pending_kills)
                 pending_kills = []
+                t_kill = time.monotonic()
                 left = _wait_gone(list(seen_desc), 15.0)
+                linger = time.monotonic() - t_kill
                 res["descendants_checked"] += len(seen_desc)
+                res.setdefault("linger_s", []).append(round(linger, 1))
                 self._orphans(mode, last_step, left, seen_desc, res)
                 self.say(mode, last_step, f"killed after step {last_step}; orphan check: {len(seen_desc)} descendant(s) of the killed trainer, "
-                                          f"{len(left)} alive after 15 s")
+                                          f"{len(left)} alive after 15 s (the last one went after {linger:.1f} s)")
                 from periodic_async.train.checkpoint import complete_checkpoints
                 done = complete_checkpoints(run_dir)
                 ckpt = int(os.path.basename(done[-1]).split("_")[1]) if done else 0
