@@ -263,6 +263,7 @@ class TrainerConfig:
     save_final: bool = True     # export the final policy as a HF directory (run_dir/final_hf)
     progress_bar: bool = True
     record_timeline: bool = False  # write timeline.jsonl (generate / train / sync intervals)
+    record_samples: bool = False   # append samples.jsonl: each trained group's samples (telemetry/sample_trace.py)
     # A step whose gradient norm is not finite is skipped (no optimizer update) and counted; this
     # many in a row stop the run.
     max_nonfinite_steps: int = 5

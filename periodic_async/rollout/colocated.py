@@ -47,6 +47,9 @@ class ColocatedPool:
     def forget(self, group_index: int) -> None:
         pass
 
+    def pids(self) -> list[int]:
+        return []       # no worker processes: the engine is the trainer's
+
     def publish(self, named_tensors: Iterable, version: int) -> None:
         """The engine is this process's: it loads the weights here and now (between batches)."""
         if self._outstanding:

@@ -37,6 +37,7 @@ from ..scheduling.mode import Mode
 from ..scheduling.scorer import reward_fault_summary
 from ..telemetry import step_metrics
 from ..telemetry.logger import MetricsLogger
+from ..telemetry.sample_trace import SampleTrace
 from ..telemetry.timeline import Timeline
 from .feed import GroupFeed
 from .step import train_batch
@@ -77,12 +78,14 @@ class Trainer:
         self.version = 0
         self.start_step = 0             # the last step done (a resumed run's checkpoint step)
         self.nonfinite_in_a_row = 0
-        self.reward = self.producer = self.planner = None
+        self.reward = self.producer = self.planner = self.sample_trace = None
         self.timeline = Timeline()
         meta = self._resume()
         self._start_rollout(worker_placements, meta)    # rank 0: self.planner, self.producer, self.reward
         self.metrics = MetricsLogger(cfg.trainer.run_dir, cfg.trainer.tensorboard, enabled=self.rank == 0,
                                      resume_after_step=self.start_step if meta is not None else None)
+        self.sample_trace = (SampleTrace(cfg.trainer.run_dir, self.start_step)
+                             if cfg.trainer.record_samples and self.rank == 0 else None)
         self.validator = self._build_validator()
 
     def validate(self) -> dict[str, float]:
@@ -351,6 +354,9 @@ class Trainer:
         metrics["trainer/idle_ratio"] = batch.wait_s / step_s
         trained = [g for g in batch.groups if g.size]   # without the empty groups of unfilled positions
         if self.rank == 0:
+            if self.sample_trace is not None:
+                pool = self.producer.pool
+                self.sample_trace.record(step, trained, pool.pids(), pool.restarts)
             stats, batch_metrics = self.producer.batch_done(step)
             metrics.update(prompt_counts)
             metrics.update(batch_metrics)      # the plan's (allocation) and the group sizer's
@@ -477,6 +483,8 @@ class Trainer:
 
     def close(self) -> None:
         self.metrics.close()
+        if self.sample_trace is not None:
+            self.sample_trace.close()
         if self.producer is not None:
             self.producer.close()
             self.producer = None
