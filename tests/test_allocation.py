@@ -362,9 +362,9 @@ def test_state_dict_round_trip_gives_the_same_later_decisions():
     assert [(sorted(d, key=lambda r: (r.slot, r.phase)), g, m) for d, g, m in resumed] == \
            [(sorted(d, key=lambda r: (r.slot, r.phase)), g, m) for d, g, m in expected]
     assert alloc2.state_dict() == alloc.state_dict()
+    alloc2.begin_step(8, draw_from_loader(loader2, key))
     with pytest.raises(RuntimeError, match="in progress"):
-        alloc2.begin_step(8, draw_from_loader(loader2, key))
-        alloc2.state_dict()
+        alloc2.load_state_dict(saved["alloc"])
 
 
 def test_duplicate_delivery_is_ignored_and_a_conflicting_one_raises():
@@ -380,7 +380,7 @@ def test_duplicate_delivery_is_ignored_and_a_conflicting_one_raises():
         alloc.on_group(0, 1, COMMIT, [1.0, 0.0])
     with pytest.raises(RuntimeError, match="1 rewards for 2 requested samples"):
         alloc.on_group(0, 1, PILOT, [1.0])
-    with pytest.raises(RuntimeError, match="arrived, but the current step is 0"):
+    with pytest.raises(RuntimeError, match="arrived, but the steps in progress are 0"):
         alloc.on_group(1, 1, PILOT, [1.0, 0.0])
     with pytest.raises(RuntimeError, match="still outstanding"):
         alloc.end_step(0)
@@ -390,7 +390,7 @@ def test_duplicate_delivery_is_ignored_and_a_conflicting_one_raises():
     assert alloc.on_group(0, 0, COMMIT, [0.0, 0.0]).ready == []       # the group is not handed over twice
     metrics = alloc.end_step(0)
     assert metrics["alloc/duplicates"] == 2 and metrics["alloc/trainable_groups"] == 1
-    with pytest.raises(RuntimeError, match="current step is none"):
+    with pytest.raises(RuntimeError, match="steps in progress are none"):
         alloc.on_group(0, 0, COMMIT, [0.0, 0.0])
 
 

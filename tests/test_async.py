@@ -263,10 +263,6 @@ def test_drained_workers_give_one_version_per_response(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["trainer.max_staleness=2"], "trainer.max_staleness: 2 needs trainer.mode async"),
     (["trainer.mode=async", "trainer.max_staleness=-1"], "trainer.max_staleness: must be an integer >= 0, got -1"),
-    (["trainer.mode=async", "trainer.max_staleness=2", "rollout.selection=pilot"],
-     "rollout.selection: 'pilot' is not supported with trainer.mode async and trainer.max_staleness > 0"),
-    (["trainer.mode=async", "trainer.max_staleness=1", "rollout.selection=backfill"],
-     "rollout.selection: 'backfill' is not supported with trainer.mode async and trainer.max_staleness > 0"),
 ])
 def test_async_configuration_errors_name_the_key(overrides, message):
     from periodic_async.config import ConfigError, load_config

@@ -126,3 +126,71 @@ def test_trainer_gives_up_shared_cores_while_waiting_and_divides_them_per_micro_
     assert flags_while_waiting == [0, 0, 0]
     assert threads == [2, 2, 4]          # a micro-step per group: worker busy, busy, idle
     assert board[0] == 1                 # busy after the last group (the optimizer step follows)
+
+
+def test_a_checkpoint_while_selection_steps_overlap_loses_and_repeats_no_prompt():
+    """trainer.mode async, eta > 0, with a selection rule: steps 2 and 3 are planned while step 1
+    still draws (a backfill), and step 2 draws again after the checkpoint taken after step 1. The
+    checkpoint keeps the planner's state now plus the prompts steps 2 and 3 drew (`redraw`): the
+    prompts step 1 drew and every prompt the resumed run draws are exactly the first ones of the
+    loader's order (none lost, none repeated), across epoch boundaries."""
+    import json
+
+    from periodic_async.data.dataset import PromptLoader
+    from periodic_async.scheduling.alloc_types import FULL, AllocRequest, Outcome
+
+    class DrawOneMore:
+        """Draws 2 prompts per step, and one more whenever a group is scored."""
+        batch_size = 2
+
+        def __init__(self):
+            self.draws = {}
+
+        def begin_step(self, step, draw, group_size=None):
+            self.draws[step] = draw
+            return [AllocRequest(slot, draw().key, FULL, 2, (0, 1)) for slot in range(2)]
+
+        def on_group(self, step, slot, phase, rewards):
+            c = self.draws[step]()
+            return Outcome(requests=[AllocRequest(slot + 10, c.key, FULL, 2, (0, 1))])
+
+        def end_step(self, step):
+            return {}
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    def planner():
+        loader = PromptLoader([PromptRecord(f"{i}=", str(i), i) for i in range(7)], batch_size=2, seed=5)
+        return BatchPlanner(loader, lambda rec: [rec.index + 1], SamplingParams(), seed=1, default_n=2,
+                            selection=DrawOneMore())
+
+    def keys(plan):
+        return [r.prompt_ids[0] - 1 for r in plan.requests]
+
+    from types import SimpleNamespace
+    part = SimpleNamespace(rewards=[0.0, 1.0])       # a scored request (only its rewards are read)
+    want = planner()          # the loader's order, drawn one by one
+    order = [want.loader.next_batch(1)[0].index for _ in range(30)]
+
+    first = planner()
+    p1 = first.plan(1)
+    got = keys(p1)
+    p2, p3 = first.plan(2), first.plan(3)               # planned while step 1 is in flight
+    got += [r.prompt_ids[0] - 1 for r in p1.on_scored(p1.requests[0], part)[0]]   # step 1 draws again
+    first.forget_step(1)                                # step 1 trained
+    saved = json.loads(json.dumps(first.state_dict(in_flight_after=1)))
+    assert len(saved["redraw"]) == 4                    # steps 2 and 3: 2 prompts each
+    first.selection.draws[2]()                          # step 2 draws after the checkpoint: lost with the run
+
+    resumed = planner()
+    resumed.load_state_dict(saved)
+    for step in range(2, 8):
+        plan = resumed.plan(step)
+        got += keys(plan)
+        got += [r.prompt_ids[0] - 1 for r in plan.on_scored(plan.requests[1], part)[0]]
+    # the same prompts as the loader's order (draws of overlapping steps interleave: compare as multisets)
+    assert len(got) == 3 + 6 * 3 and sorted(got) == sorted(order[:len(got)])

@@ -242,9 +242,12 @@ def test_pilot_commit_replay_spends_no_more_than_the_budget():
         trained = [g for g in b.groups.values() if g]
         assert len(trained) == b.metrics["alloc/trainable_groups"] <= 16
     assert p.rollouts_per_step < 16 * 8
-    with pytest.raises(ValueError):     # as the runtime's config refuses it
-        simulate("async", LONG_TAIL, Cluster(1, 1), TAIL_COSTS, steps=1, eta=1, allocator=alloc,
-                 prompts=PromptSet(LONG_TAIL, 200))
+    # async with eta 2: the allocator's steps overlap (its bookkeeping is per step), each in budget
+    alloc = Allocator(pc, BackfillConfig(), 16, 8, 200)
+    a = simulate("async", LONG_TAIL, Cluster(1, 1, slots=32), TAIL_COSTS, steps=8, eta=2, allocator=alloc,
+                 prompts=PromptSet(LONG_TAIL, 200, "beta:0.5,0.5", seed=1))
+    assert len(a.batches) == 8 and all(b.rollouts <= 96 for b in a.batches)
+    assert a.batches[1].dispatch < a.batches[0].done_at         # step 2 was planned while step 1 piloted
 
 
 def test_backfill_replay_draws_more_groups_within_its_budget():

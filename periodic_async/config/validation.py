@@ -350,9 +350,3 @@ def _check_async(cfg) -> None:
             raise ConfigError(f"trainer.max_staleness: {eta} needs trainer.mode async (mode "
                               f"'{cfg.trainer.mode}' is strictly on-policy)")
         return
-    # what the async mode does not do (yet): each named so that the user knows which to drop
-    if eta > 0 and cfg.rollout.selection != "none":
-        raise ConfigError(f"rollout.selection: '{cfg.rollout.selection}' is not supported with trainer.mode async and "
-                          "trainer.max_staleness > 0 yet: a selection rule draws prompts during its step (commits, "
-                          "backfills), which would interleave with the next batches' draws; use max_staleness 0 "
-                          "or mode periodic")

@@ -40,6 +40,7 @@ import threading
 import time
 from multiprocessing.connection import AuthenticationError, Client
 
+from ..netaddr import split_address
 from .messages import Assign, Hello, Reject, Stop
 
 KEY_VAR = "PERIODIC_ASYNC_ROLLOUT_KEY"
@@ -52,13 +53,6 @@ def rollout_key() -> bytes:
         raise RuntimeError(f"rollout workers on other nodes authenticate with a shared key: set {KEY_VAR} to the "
                            "same secret on the trainer and on every rollout node")
     return key.encode()
-
-
-def split_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"address {address!r}: expected HOST:PORT")
-    return host, int(port)
 
 
 def connect(address: str, key: bytes, timeout_s: float):

@@ -52,7 +52,8 @@ class RelayListener:
     def __init__(self, address: str):
         from multiprocessing.connection import Listener
 
-        from .remote import rollout_key, split_address
+        from ..netaddr import split_address
+        from .remote import rollout_key
         self._listener = Listener(split_address(address), authkey=rollout_key())
         self.address = "%s:%d" % self._listener.address
         self._arrivals: queue.Queue = queue.Queue()

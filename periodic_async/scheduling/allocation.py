@@ -102,8 +102,10 @@ class Allocator(PilotCommit):
 
     `num_prompts` (the dataset size) bounds the draws: after 2 * num_prompts + 1 refused draws in a
     row (solved, or deferred in the loader's current epoch) every prompt is solved, and the step
-    goes on with fewer prompts instead of drawing forever. Thread-safe: begin_step / end_step run
-    on the trainer's thread, on_group on the producer's. The pilot-commit rounds are its base
+    goes on with fewer prompts instead of drawing forever. Thread-safe. Its per-step bookkeeping is
+    keyed by step, so steps may overlap (trainer.mode async with max_staleness > 0: the next
+    batches are planned while this one still pilots, commits or backfills); what persists across
+    steps (solved, deferred, the prompt reserve) is shared by them. The pilot-commit rounds are its base
     `PilotCommit` (pilot_commit.py); the backfill of zero-variance groups is `_on_full` here.
     """
 
@@ -123,7 +125,7 @@ class Allocator(PilotCommit):
         self.replay = PromptReserve(pilot.replay_max_age)     # prompt keys only (prompt_reserve.py)
         self._epoch = 0                                      # the latest loader epoch a draw came from
         self.totals: dict[str, int] = {}
-        self._state: Optional[StepState] = None
+        self._states: dict[int, StepState] = {}             # the steps in progress
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ queries
@@ -139,12 +141,12 @@ class Allocator(PilotCommit):
 
     @property
     def in_step(self) -> bool:
-        return self._state is not None
+        return bool(self._states)
 
     @property
     def outstanding(self) -> int:
-        """Requests of the current step not yet delivered to on_group."""
-        return len(self._state.outstanding) if self._state is not None else 0
+        """Requests of the steps in progress not yet delivered to on_group."""
+        return sum(len(st.outstanding) for st in self._states.values())
 
     def admits(self, candidate: Candidate) -> bool:
         """Whether a drawn prompt may be piloted: not solved, and not deferred in this epoch or later."""
@@ -170,13 +172,13 @@ class Allocator(PilotCommit):
         with the pilot on, else B full groups of K (`group_size`: this step's K, from a group sizer;
         None: the constructor's)."""
         with self._lock:
-            if self._state is not None:
-                raise RuntimeError(f"Allocator.begin_step({step}): step {self._state.step} has not ended")
+            if step in self._states:
+                raise RuntimeError(f"Allocator.begin_step({step}): step {step} has begun already")
             k = self.group_size if group_size is None else int(group_size)
             if self.pilot.enabled and not 1 <= self.pilot.n_pilot < k:
                 raise ValueError(f"step {step}: group size {k} leaves no commit after rollout.pilot.n_pilot="
                                  f"{self.pilot.n_pilot} pilots")
-            st = self._state = StepState(step, draw, group_size=k, budget=self.budget_for(k))
+            st = self._states[step] = StepState(step, draw, group_size=k, budget=self.budget_for(k))
             st.counts = dict.fromkeys(PILOT_COUNTERS if self.pilot.enabled else BACKFILL_COUNTERS, 0)
             if not self.pilot.enabled:
                 return [self._request(st, self._new_slot(st, c), FULL) for c in self._draw(st, self.batch_size)]
@@ -189,10 +191,10 @@ class Allocator(PilotCommit):
         """One request's rewards (sample-index order) are in: decide what follows (see the module
         docstring, the producer's contract)."""
         with self._lock:
-            st = self._state
-            if st is None or st.step != step:
-                current = "none" if st is None else st.step
-                raise RuntimeError(f"Allocator.on_group: a group of step {step} arrived, but the current step is "
+            st = self._states.get(step)
+            if st is None:
+                current = ", ".join(map(str, sorted(self._states))) or "none"
+                raise RuntimeError(f"Allocator.on_group: a group of step {step} arrived, but the steps in progress are "
                                    f"{current}")
             rewards = tuple(float(r) for r in rewards)
             s = st.slots.get(slot)
@@ -224,12 +226,12 @@ class Allocator(PilotCommit):
         """Close the step (nothing may be outstanding) and return its metrics ({} with both
         switches off)."""
         with self._lock:
-            st = self._state
-            if st is None or st.step != step:
+            st = self._states.get(step)
+            if st is None:
                 raise RuntimeError(f"Allocator.end_step({step}): that step is not in progress")
             if st.outstanding:
                 raise RuntimeError(f"Allocator.end_step({step}): {len(st.outstanding)} requests still outstanding")
-            self._state = None
+            del self._states[step]
             for k, v in st.counts.items():
                 self.totals[k] = self.totals.get(k, 0) + v
             if not (self.pilot.enabled or self.backfill.enabled):
@@ -243,19 +245,18 @@ class Allocator(PilotCommit):
     # ------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable; only between steps, when nothing is in flight. Keys are listed in a
-        fixed order, so the same decisions give the same state whatever the arrival order was."""
+        """JSON-serialisable: what persists across steps (the steps in progress are not kept: a
+        resumed run plans them again). Keys are listed in a fixed order, so the same decisions give
+        the same state whatever the arrival order was."""
         with self._lock:
-            if self._state is not None:
-                raise RuntimeError(f"Allocator.state_dict: step {self._state.step} is in progress")
             return {"solved": _sorted_keys(self._solved),
                     "deferred": [[k, self._deferred[k]] for k in _sorted_keys(self._deferred)],
                     "replay": self.replay.state_dict(), "epoch": self._epoch, "totals": dict(self.totals)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self._lock:
-            if self._state is not None:
-                raise RuntimeError(f"Allocator.load_state_dict: step {self._state.step} is in progress")
+            if self._states:
+                raise RuntimeError(f"Allocator.load_state_dict: steps {sorted(self._states)} are in progress")
             self._solved = dict.fromkeys(key_from_json(k) for k in state["solved"])
             self._deferred = {key_from_json(k): int(e) for k, e in state["deferred"]}
             self.replay.load_state_dict(state["replay"])

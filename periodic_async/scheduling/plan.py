@@ -157,6 +157,11 @@ class BatchPlanner:
         self.selection = selection      # the rule rollout.selection names (selection/), or None: plain batches
         self._records = {rec.index: rec for rec in loader.records}
         self._ids: dict[int, list[int]] = {}
+        # A selection rule draws during its step, and with max_staleness > 0 steps overlap: the
+        # draws of each step in progress are kept, so that a checkpoint taken meanwhile can hand
+        # the prompts of the steps it does not keep to the resumed run (`redraw`, drawn first).
+        self._drawn: dict[int, list[tuple[int, int]]] = {}    # step -> [(record index, loader epoch)]
+        self._redraw: list[tuple[int, int]] = []
 
     def plan(self, step: int) -> BatchPlan:
         if self.selection is not None:
@@ -187,13 +192,24 @@ class BatchPlanner:
             requests.append(RolloutRequest(i, ids, k, self.sampling, request_seed(self.seed, step, i)))
         return BatchPlan(step, requests, {i: rec.answer for i, rec in enumerate(records)})
 
-    def state_dict(self) -> dict:
+    def state_dict(self, in_flight_after: int | None = None) -> dict:
         """What a checkpoint keeps of the planner: the loader's position, the group sizer's and
         the selection rule's state (None where they hold none; kept under the key "allocator",
-        which checkpoints have always used)."""
+        which checkpoints have always used). `in_flight_after=s`: taken while the steps after s
+        are in progress (their selection rule still drawing): the prompts they drew go into
+        `redraw`, which a resumed run draws before the loader's next, so none is lost or repeated."""
+        redraw = None
+        if in_flight_after is not None:
+            redraw = [list(d) for step in sorted(self._drawn) if step > in_flight_after for d in self._drawn[step]]
+            redraw += [list(d) for d in self._redraw]
         return {"loader": self.loader.state_dict(),
                 "group_sizer": self.group_sizer.state_dict(),
-                "allocator": self.selection.state_dict() if self.selection is not None else None}
+                "allocator": self.selection.state_dict() if self.selection is not None else None,
+                "redraw": redraw}
+
+    def forget_step(self, step: int) -> None:
+        """Step `step` is trained: its draws are no longer needed for a checkpoint."""
+        self._drawn.pop(step, None)
 
     def load_state_dict(self, state: dict) -> None:
         self.loader.load_state_dict(state["loader"])
@@ -201,16 +217,24 @@ class BatchPlanner:
             self.group_sizer.load_state_dict(state["group_sizer"])
         if state.get("allocator") is not None and self.selection is not None:
             self.selection.load_state_dict(state["allocator"])
+        self._redraw = [(int(i), int(e)) for i, e in state.get("redraw") or []]
 
     def _selected_plan(self, step: int) -> AllocatedPlan:
         """The selection rule draws the step's prompts itself (and more during the step, for backfill);
         a prompt left out by `tokenize` is skipped like in plan()."""
+        drawn = self._drawn.setdefault(step, [])
+
         def draw() -> Candidate | None:
             for _ in range(2 * len(self.loader.records)):
-                epoch = self.loader.epoch
-                (rec,) = self.loader.next_batch(1)
-                if self._prompt_ids(rec.index) is not None:
-                    return Candidate(rec.index, epoch)
+                if self._redraw:        # a resumed run: the prompts of the steps its checkpoint did not keep
+                    index, epoch = self._redraw.pop(0)
+                else:
+                    epoch = self.loader.epoch
+                    (rec,) = self.loader.next_batch(1)
+                    index = rec.index
+                drawn.append((index, epoch))
+                if self._prompt_ids(index) is not None:
+                    return Candidate(index, epoch)
             raise DatasetError(f"data.overlong_prompt: skip left out every one of the "
                                f"{len(self.loader.records)} records (all over data.max_prompt_length)")
 

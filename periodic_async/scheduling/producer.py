@@ -97,6 +97,9 @@ class Producer:
         self._eval: tuple | None = None                 # the one being generated
         self._cond = threading.Condition()
         self._pool_lock = threading.Lock()              # one reader of the pool at a time
+        # held while the planner's state changes (planning, a plan's decisions, a batch's end):
+        # a checkpoint of a run whose selection rule draws while steps overlap reads it meanwhile
+        self._plan_lock = threading.RLock()
         self._error: BaseException | None = None
         self._stop = threading.Event()
         # set by the trainer's side when the producer may have something to do (new weights, a
@@ -148,6 +151,8 @@ class Producer:
         the group sizer's); the batch is forgotten."""
         with self._cond:
             b = self._batches.pop(step)
+        with self._plan_lock:
+            self.planner.forget_step(step)
         return b.stats, {**b.plan.end_metrics(), **b.metrics}
 
     @property
@@ -158,7 +163,12 @@ class Producer:
     def planner_state(self, step: int) -> dict:
         """The planner's state as a checkpoint after `step` must hold it: before batch step + 1
         was planned (a resumed run re-plans and regenerates the batches in flight: their samples
-        are not kept, and no prompt is lost or repeated)."""
+        are not kept, and no prompt is lost or repeated). With a selection rule and eta > 0 the
+        batches in flight may have drawn after that (commits, backfills during batch `step`): the
+        state now, with the prompts the batches after `step` drew to be drawn again."""
+        if self.mode.max_staleness > 0 and self.planner.selection is not None:
+            with self._plan_lock:
+                return copy.deepcopy(self.planner.state_dict(in_flight_after=step))
         with self._cond:
             b = self._batches.get(step + 1)
             return b.planner_state if b is not None else copy.deepcopy(self.planner.state_dict())
@@ -223,7 +233,7 @@ class Producer:
         while (self._next <= self._last and self._waiting < self._queue_size
                and self.rule.may_dispatch(self._next, self.pool.applied_version)):
             step = self._next
-            with self._cond:
+            with self._plan_lock, self._cond:
                 state = copy.deepcopy(self.planner.state_dict())
                 plan = self.planner.plan(step)
                 b = _Batch(plan, state, self._prompt_counts(), RolloutStats(t_dispatch=time.perf_counter()),
@@ -233,7 +243,8 @@ class Producer:
                 self._cond.notify_all()
             self._send(step, list(plan.requests))
             if not plan.requests:
-                self._finish(step, b)
+                with self._plan_lock:
+                    self._finish(step, b)
 
     def _dispatch_eval(self) -> None:
         if self._eval is not None or self._evals.empty() or self.pool.applied_version != self.pool.version:
@@ -282,6 +293,10 @@ class Producer:
                 del self._got[id(req)]
                 self.pool.forget(uid)
                 complete.setdefault(step, []).append((req, part))
+        with self._plan_lock:
+            self._score_and_decide(complete)
+
+    def _score_and_decide(self, complete: dict) -> None:
         for step, done in complete.items():
             b = self._batches[step]
             parts = [b.plan.part_group(req, part) for req, part in done]

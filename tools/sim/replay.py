@@ -159,9 +159,6 @@ def simulate(mode: str, workload: Workload, cluster: Cluster, costs: Costs, step
     plugins = sizer is not None or allocator is not None
     if plugins and not m.engine_in_workers:
         raise ValueError("the plug-ins are replayed in the modes whose engines live in workers, not sync")
-    if allocator is not None and eta > 0:
-        # the runtime refuses it too (config/validation.py, _check_async): one allocator step at a time
-        raise ValueError("selection (pilot / backfill) is not supported with async and eta > 0, as in the runtime")
     rng = random.Random(seed)
     if mode == "async" or plugins:
         planner = Planner(workload, rng, sizer, allocator, prompts, plans)
