@@ -376,3 +376,32 @@ def install_collective_guard(device=None):
     wrap("all_gather_into_tensor", lambda out, t, *a, **k: [out, t])
     wrap("reduce_scatter_tensor", lambda out, t, *a, **k: [out, t])
     wrap("batch_isend_irecv", lambda ops, *a, **k: [op.tensor for op in ops])
+
+
+def stop_after_step(trainer, last: int) -> None:
+    """Patch `trainer` to stop (as a SIGTERM would: a checkpoint, then KeyboardInterrupt) after
+    step `last`; the caller resets periodic_async.train.stop.STOP.requested afterwards."""
+    from periodic_async.train.stop import STOP
+    step = trainer.step
+
+    def stopping(s):
+        out = step(s)
+        if s == last:
+            STOP.requested = True
+        return out
+    trainer.step = stopping
+
+
+def kill_worker_after_publish(killed: dict, version: int, worker: int):
+    """A Trainer hook: SIGKILL rollout worker `worker` right after weights `version` are published
+    (it is taking them, or about to); `killed` receives the pid."""
+    def hook(trainer):
+        publish = trainer.producer.update_weights
+
+        def killing_publish(named, v):
+            publish(named, v)
+            if v == version and not killed:
+                killed["pid"] = trainer.producer.pool.pids()[worker]
+                kill_worker(trainer.producer.pool, worker)
+        trainer.producer.update_weights = killing_publish
+    return hook

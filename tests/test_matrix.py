@@ -15,6 +15,7 @@ import pytest
 from periodic_async.config import ConfigError, load_config
 from periodic_async.train.trainer import Trainer
 
+from helpers import stop_after_step
 from test_allocation_training import BASE, LOSS_KEYS, SWITCHES, _assert_same_training, _decisions
 
 STEPS = 3
@@ -224,14 +225,7 @@ def test_async2_with_backfill_stopped_and_resumed_loses_and_repeats_no_prompt(tm
     trainer = Trainer(load_config("configs/long_tail.yaml", overrides))
     loader = copy.deepcopy(trainer.planner.loader)
     order = [loader.next_batch(1)[0].index for _ in range(200)]
-    step = trainer.step
-
-    def stopping(s):
-        out = step(s)
-        if s == 2:
-            STOP.requested = True
-        return out
-    trainer.step = stopping
+    stop_after_step(trainer, 2)
     try:
         with pytest.raises(KeyboardInterrupt, match="stopped after step 2"):
             trainer.fit()
