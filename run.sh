@@ -160,7 +160,13 @@ if [[ "$cmd" == "test-ascend-stack" ]]; then
   exit $?
 fi
 if [[ "$cmd" == "test" ]]; then
-  if [[ $# -gt 0 ]]; then exec "$PY" -m pytest tests "$@"; fi
+  if [[ $# -gt 0 ]]; then
+    # `./run.sh test tests/test_x.py -k y` runs that file only; options alone run the whole suite
+    for arg in "$@"; do
+      if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then exec "$PY" -m pytest "$@"; fi
+    done
+    exec "$PY" -m pytest tests "$@"
+  fi
   "$PY" -m pytest tests
   run_ascend_stack_tests
   exit $?

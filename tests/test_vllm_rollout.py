@@ -78,14 +78,14 @@ def test_a_broken_weight_sync_is_visible_at_once(tmp_path):
         from periodic_async.rollout.base import RolloutRequest, SamplingParams
         with pytest.raises(ValueError, match=r"prompt of 95 tokens \+ max_new_tokens 4 = 99 > max_model_len 96"):
             pool.dispatch([RolloutRequest(0, [5] * 95, 2, SamplingParams(max_new_tokens=4), seed=1)])
-        update = pool.update_weights
+        publish = pool.publish
         initial = [(n, t.clone()) for n, t in trainer.actor.export_weights()]
 
-        def stale_update(named, version):   # the workers are told version t+1 but keep version 0
+        def stale_publish(named, version):   # the workers are told version t+1 but keep version 0
             for _ in named:
                 pass
-            update(iter(initial), version)
-        pool.update_weights = stale_update
+            publish(iter(initial), version)
+        pool.publish = stale_publish
 
     history = _run(tmp_path, "trainer.total_steps=2", hook=hook)
     assert history[0]["training/rollout_probs_diff_max"] < PROBS_TOL       # before any sync: fine
