@@ -4,7 +4,9 @@
   "vcpo_baseline" (VCPO's importance-weighted baseline);
 - policy losses (`actor.policy_loss`): losses.py - "grpo" (PPO-clip + KL to the reference + entropy),
   "decoupled_ppo" (AReaL: PPO-clip on the proximal policy, weighted by pi_prox / pi_behav);
-- variance control for off-policy batches (ESS, learning-rate scale, baseline): variance_control.py.
+- variance control for off-policy batches (ESS, learning-rate scale, baseline): variance_control.py;
+- rollout / training mismatch correction (truncated IS, rejection; `actor.rollout_correction`),
+  applied inside every policy loss: rollout_correction.py.
 
 The actor (periodic_async/actor) calls the loss it was built with inside its micro-step and knows
 nothing of GRPO; the scorer (scheduling/scorer.py) calls the configured estimator on each complete

@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from . import rollout_correction
 from .registry import Registry
 from .variance_control import SEQ_LOG_RATIO_BOUND, ess_ratio
 
@@ -67,14 +68,26 @@ class PolicyLoss:
 
 @register_policy_loss("grpo")
 class GRPOLoss(PolicyLoss):
-    """PPO-clip on the old policy's ratio, + kl_coef * KL(policy || reference), - entropy_coef * entropy."""
-    metric_keys = ("actor/pg_loss", "actor/pg_clipfrac", "actor/kl_loss", "actor/entropy", "actor/loss")
+    """PPO-clip on the old policy's ratio, + kl_coef * KL(policy || reference), - entropy_coef * entropy.
+
+    Every loss built on this one (a subclass overriding `policy_gradient_tokens`) gets the
+    rollout / training mismatch correction (actor.rollout_correction, rollout_correction.py): its
+    per-token policy-gradient terms are multiplied by the truncated IS weight and the rejection
+    mask, and the gap's metrics (rollout_corr/*) are reported whatever the switches. A loss that
+    already weights by pi_old / pi_rollout (`weights_by_behaviour_ratio`, decoupled_ppo) applies
+    the truncation to that weight itself instead of getting a second copy of the ratio."""
+    metric_keys = ("actor/pg_loss", "actor/pg_clipfrac", "actor/kl_loss", "actor/entropy", "actor/loss") + \
+        rollout_correction.SUM_KEYS
+    max_metric_keys = rollout_correction.MAX_KEYS      # reduced by max, not summed
+    weights_by_behaviour_ratio = False
 
     def __init__(self, cfg):
         super().__init__(cfg)
         self.entropy_grad = bool(cfg.entropy_coef)      # entropy_coef 0: the entropy is a metric
+        self.correction_cfg = getattr(cfg, "rollout_correction", None)
 
-    def policy_gradient_tokens(self, x: LossInputs) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def policy_gradient_tokens(self, x: LossInputs, correction: rollout_correction.Correction
+                               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """Per-token policy-gradient loss, where the clipped branch was taken, and extra metrics."""
         pg_tok, clipped = clipped_pg_loss(x.logp, x.old_logp, x.advantages, self.cfg.clip_ratio)
         return pg_tok, clipped, {}
@@ -84,7 +97,13 @@ class GRPOLoss(PolicyLoss):
         if x.group_ids is not None:
             x = replace(x, advantages=importance_baseline_advantages(x))
         agg = lambda t: aggregate(t, x.mask, cfg.loss_agg_mode, x.normaliser)  # noqa: E731
-        pg_tok, clipped, extra = self.policy_gradient_tokens(x)
+        correction = rollout_correction.compute_correction(x.old_logp, x.rollout_logp, x.mask, self.correction_cfg)
+        pg_tok, clipped, extra = self.policy_gradient_tokens(x, correction)
+        if correction.is_weight is not None and not self.weights_by_behaviour_ratio:
+            pg_tok = pg_tok * correction.is_weight
+        if correction.rs_mask is not None:
+            pg_tok = pg_tok * correction.rs_mask
+        extra.update(correction.metrics)
         pg_loss = agg(pg_tok)
         loss = pg_loss
         m = {"actor/pg_loss": pg_loss.detach(), "actor/pg_clipfrac": agg(clipped.float()).detach(), **extra}
@@ -99,6 +118,10 @@ class GRPOLoss(PolicyLoss):
         m["actor/entropy"] = ent.detach()
         m["actor/loss"] = loss.detach()
         return loss, m
+
+    def finalize_metrics(self, reduced: dict[str, float]) -> dict[str, float]:
+        """Batch sums (over micro-batches and ranks) -> the reported means and ratios."""
+        return rollout_correction.finalize_metrics(reduced)
 
 
 @register_policy_loss("decoupled_ppo")
@@ -125,19 +148,23 @@ class DecoupledPPOLoss(GRPOLoss):
     _SUMS = ("ppo/behave_imp_weight/sum", "ppo/behave_imp_weight/capped", "ppo/behave_imp_weight/count",
              "vcpo/rho_sum", "vcpo/rho_sq_sum", "vcpo/num_seqs")
     metric_keys = GRPOLoss.metric_keys + _SUMS
-    max_metric_keys = ("ppo/behave_imp_weight/max",)      # reduced by max, not summed
+    max_metric_keys = GRPOLoss.max_metric_keys + ("ppo/behave_imp_weight/max",)   # reduced by max, not summed
+    weights_by_behaviour_ratio = True
 
     def __init__(self, cfg):
         super().__init__(cfg)
         self.cap = getattr(cfg, "behav_imp_weight_cap", None)
 
-    def policy_gradient_tokens(self, x: LossInputs):
+    def policy_gradient_tokens(self, x: LossInputs, correction):
         if x.rollout_logp is None:
             raise ValueError("actor.policy_loss: 'decoupled_ppo' needs the rollout engine's per-token log-probs "
                              "(the micro-batch has no rollout_logp)")
-        pg_tok, clipped, m = super().policy_gradient_tokens(x)
+        pg_tok, clipped, m = super().policy_gradient_tokens(x, correction)
         raw = behaviour_weights(x.old_logp, x.rollout_logp)                                   # [B, S]
         weight, capped = cap_behaviour_weights(raw, x.mask, self.cap)                          # [B, S]
+        if correction.is_weight is not None:
+            # rollout_is: token - the same ratio pi_prox / pi_behav, truncated (not applied twice)
+            weight = weight.clamp(max=float(self.correction_cfg.rollout_is_threshold))
         mask = x.mask.to(raw.dtype)
         raw = raw * mask
         rho = sequence_importance_ratios(x.old_logp, x.rollout_logp, x.mask)                 # [rows]
@@ -152,7 +179,7 @@ class DecoupledPPOLoss(GRPOLoss):
 
     def finalize_metrics(self, reduced: dict[str, float]) -> dict[str, float]:
         """Batch sums (over micro-batches and ranks) -> the reported means and ratios."""
-        out = {k: v for k, v in reduced.items() if k not in self._SUMS}
+        out = {k: v for k, v in super().finalize_metrics(reduced).items() if k not in self._SUMS}
         count = reduced.get("ppo/behave_imp_weight/count", 0.0)
         if count > 0:
             out["ppo/behave_imp_weight/mean"] = reduced["ppo/behave_imp_weight/sum"] / count

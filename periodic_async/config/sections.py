@@ -182,6 +182,21 @@ class AlgoConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    # Rollout / training mismatch correction (algo/rollout_correction.py, docs/rollout-correction.md;
+    # verl's algorithm.rollout_correction names). r = pi_old / pi_rollout per response token.
+    # Truncated importance sampling: null (off) | token (weight min(r, C)) | sequence (min(prod r, C));
+    # with decoupled_ppo (which already weights by this ratio) only token, truncating that weight.
+    rollout_is: Optional[str] = None
+    rollout_is_threshold: float = 2.0     # C, > 1
+    # Rejection (masking): null (off) | token (drop tokens with r outside [lower, upper]) |
+    # sequence (drop responses whose prod r is outside) | geometric (their exp(mean log r) is outside)
+    rollout_rs: Optional[str] = None
+    rollout_rs_threshold: Optional[float] = None         # upper, > 1 (needed when rollout_rs is set)
+    rollout_rs_threshold_lower: Optional[float] = None   # lower, in (0, 1); null: 1 / upper
+
+
+@dataclass
 class ActorConfig:
     # The objective: a name in periodic_async.algo.POLICY_LOSSES (grpo: PPO-clip + KL + entropy;
     # decoupled_ppo: AReaL's PPO-clip on the proximal policy, weighted by pi_prox / pi_behav).
@@ -194,6 +209,9 @@ class ActorConfig:
     # vcpo_lr_scale_min (in [0, 1]).
     vcpo_lr_scale: bool = False
     vcpo_lr_scale_min: float = 0.0
+    # Rollout / training mismatch correction, off by default; its metrics (rollout_corr/*) are
+    # reported every step whatever these switches
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     lr: float = 1.0e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)

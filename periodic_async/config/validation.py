@@ -87,6 +87,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
         raise ConfigError(f"algo.adv_eps: must be > 0, got {cfg.algo.adv_eps}")
     _choice("actor.policy_loss", cfg.actor.policy_loss, tuple(sorted(POLICY_LOSSES)))
     check_off_policy_keys(cfg.actor, POLICY_LOSSES)
+    check_rollout_correction(cfg.actor)
     _choice("actor.kl_type", cfg.actor.kl_type, ("low_var_kl", "kl", "mse"))
     _choice("actor.loss_agg_mode", cfg.actor.loss_agg_mode, ("token-mean", "seq-mean-token-mean"))
     _choice("reward.name", cfg.reward.name, ("synthetic", "gsm8k", "custom"))
@@ -282,6 +283,27 @@ def check_off_policy_keys(actor: Any, policy_losses: dict) -> None:
     if actor.vcpo_lr_scale and "vcpo/rho_sum" not in getattr(policy_losses.get(actor.policy_loss), "metric_keys", ()):
         raise ConfigError(f"actor.vcpo_lr_scale: needs a policy loss that reports the importance ratios' ESS "
                           f"(decoupled_ppo), got actor.policy_loss '{actor.policy_loss}'")
+
+
+def check_rollout_correction(actor: Any) -> None:
+    """actor.rollout_correction (algo/rollout_correction.py)."""
+    rc = actor.rollout_correction
+    key = "actor.rollout_correction"
+    if rc.rollout_is is not None:
+        _choice(f"{key}.rollout_is", rc.rollout_is, ("token", "sequence"))
+        if not rc.rollout_is_threshold > 1.0:
+            raise ConfigError(f"{key}.rollout_is_threshold: must be > 1, got {rc.rollout_is_threshold}")
+        if rc.rollout_is == "sequence" and actor.policy_loss == "decoupled_ppo":
+            raise ConfigError(f"{key}.rollout_is: 'sequence' with actor.policy_loss 'decoupled_ppo', which already "
+                              "weights each token by pi_prox / pi_behav; use 'token' to truncate that weight")
+    if rc.rollout_rs is not None:
+        _choice(f"{key}.rollout_rs", rc.rollout_rs, ("token", "sequence", "geometric"))
+        if rc.rollout_rs_threshold is None or not rc.rollout_rs_threshold > 1.0:
+            raise ConfigError(f"{key}.rollout_rs_threshold: must be > 1 when rollout_rs is set, "
+                              f"got {rc.rollout_rs_threshold}")
+        low = rc.rollout_rs_threshold_lower
+        if low is not None and not 0.0 < low < 1.0:
+            raise ConfigError(f"{key}.rollout_rs_threshold_lower: must be in (0, 1) (or null for 1 / upper), got {low}")
 
 
 def _get(cfg: Any, dotted: str) -> Any:
