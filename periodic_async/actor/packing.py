@@ -30,6 +30,9 @@ class TrainSample:
     # holds whole groups)
     reward: float | None = None
     group: int | None = None
+    # False: the sample is packed (its tokens still shape the micro-batch) but carries no loss
+    # (loss mask 0): actor.overlong_filter drops truncated responses this way
+    in_loss: bool = True
 
 
 @dataclass
@@ -87,7 +90,7 @@ def pack_unshared(samples: list[TrainSample], pad_token_id: int) -> MicroBatch:
         n, p = len(seq), len(s.prompt_ids)
         ids[i, :n] = seq
         labels[i, :n - 1] = seq[1:]
-        mask[i, p - 1:n - 1] = 1.0       # positions p-1 .. n-2 predict the response tokens
+        mask[i, p - 1:n - 1] = float(s.in_loss)   # positions p-1 .. n-2 predict the response tokens
         adv[i, :] = s.advantage
         if s.rollout_logprobs:
             rollout_logp[i, p - 1:p - 1 + len(s.rollout_logprobs)] = torch.tensor(s.rollout_logprobs)
@@ -136,6 +139,8 @@ def pack_shared(groups: list[list[TrainSample]], pad_token_id: int, row_len: Opt
     advantages = adv[:, None].expand_as(packed.loss_mask).contiguous()
     rollout_logp = torch.zeros_like(packed.loss_mask)
     for n, s in enumerate(s for g in groups for s in g):
+        if not s.in_loss:
+            packed.loss_mask[n] = 0.0
         if s.rollout_logprobs:
             rollout_logp[n, :len(s.rollout_logprobs)] = torch.tensor(s.rollout_logprobs)
     return MicroBatch(packed.input_ids, packed.position_ids, packed.layout, packed.labels,

@@ -19,6 +19,7 @@ from . import variance_control
 from .advantages import ADV_ESTIMATORS, compute_advantages, register_adv_estimator
 
 _LOSSES = ("POLICY_LOSSES", "LossInputs", "PolicyLoss", "aggregate", "batch_normaliser", "build_policy_loss",
+           "clip_bounds", "dual_clip",
            "clipped_pg_loss", "kl_penalty", "register_policy_loss", "behaviour_weights", "cap_behaviour_weights",
            "sequence_importance_ratios")
 

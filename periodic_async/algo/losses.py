@@ -76,7 +76,8 @@ class GRPOLoss(PolicyLoss):
     mask, and the gap's metrics (rollout_corr/*) are reported whatever the switches. A loss that
     already weights by pi_old / pi_rollout (`weights_by_behaviour_ratio`, decoupled_ppo) applies
     the truncation to that weight itself instead of getting a second copy of the ratio."""
-    metric_keys = ("actor/pg_loss", "actor/pg_clipfrac", "actor/kl_loss", "actor/entropy", "actor/loss") + \
+    metric_keys = ("actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/kl_loss", "actor/entropy",
+                   "actor/loss") + \
         rollout_correction.SUM_KEYS
     max_metric_keys = rollout_correction.MAX_KEYS      # reduced by max, not summed
     weights_by_behaviour_ratio = False
@@ -89,8 +90,14 @@ class GRPOLoss(PolicyLoss):
     def policy_gradient_tokens(self, x: LossInputs, correction: rollout_correction.Correction
                                ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """Per-token policy-gradient loss, where the clipped branch was taken, and extra metrics."""
-        pg_tok, clipped = clipped_pg_loss(x.logp, x.old_logp, x.advantages, self.cfg.clip_ratio)
-        return pg_tok, clipped, {}
+        cfg = self.cfg
+        low, high = clip_bounds(cfg)
+        pg_tok, clipped = clipped_pg_loss(x.logp, x.old_logp, x.advantages, low, high)
+        extra = {}
+        if getattr(cfg, "clip_ratio_c", None) is not None:
+            pg_tok, lower = dual_clip(pg_tok, x.advantages, cfg.clip_ratio_c)
+            extra["actor/pg_clipfrac_lower"] = aggregate(lower.float(), x.mask, cfg.loss_agg_mode, x.normaliser).detach()
+        return pg_tok, clipped, extra
 
     def __call__(self, x: LossInputs):
         cfg = self.cfg
@@ -259,15 +266,34 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
     raise ValueError(f"actor.kl_type: unknown '{kind}'; allowed: low_var_kl, kl, mse")
 
 
+def clip_bounds(cfg) -> tuple[float, float]:
+    """(low, high) of the PPO trust region [1 - low, 1 + high]: actor.clip_ratio_low / _high (DAPO's
+    clip-higher), each defaulting to actor.clip_ratio."""
+    low = getattr(cfg, "clip_ratio_low", None)
+    high = getattr(cfg, "clip_ratio_high", None)
+    return (cfg.clip_ratio if low is None else low), (cfg.clip_ratio if high is None else high)
+
+
 def clipped_pg_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                    clip_ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO-clip per-token loss max(-A r, -A clip(r, 1-e, 1+e)) with r = exp(logp - old_logp), the
-    log-ratio clamped to [-20, 20] first (as verl) so that one far-off token cannot overflow exp.
-    Returns (loss, clipped: bool where the clipped branch was taken), both shaped like logp."""
+                    clip_ratio: float, clip_ratio_high: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO-clip per-token loss max(-A r, -A clip(r, 1 - low, 1 + high)) with r = exp(logp - old_logp),
+    the log-ratio clamped to [-20, 20] first (as verl) so that one far-off token cannot overflow exp;
+    low = clip_ratio, high = clip_ratio_high (None: clip_ratio). Returns (loss, clipped: bool where
+    the clipped branch was taken), both shaped like logp."""
+    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
     ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_ratio, 1.0 + clip_ratio)
+    clipped = -advantages * ratio.clamp(1.0 - clip_ratio, 1.0 + high)
     return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def dual_clip(pg_tok: torch.Tensor, advantages: torch.Tensor, clip_ratio_c: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dual-clip PPO (Ye et al. 2020; verl's clip_ratio_c): for negative advantages the clipped
+    per-token loss is bounded by -A c, so a token whose ratio exploded (r > c) cannot dominate.
+    Returns (loss, lower: bool where the bound was taken), both shaped like pg_tok."""
+    bound = -advantages * clip_ratio_c
+    lower = (advantages < 0) & (pg_tok > bound)
+    return torch.where(advantages < 0, torch.minimum(pg_tok, bound), pg_tok), lower
 
 
 def aggregate(token_values: torch.Tensor, mask: torch.Tensor, mode: str, normaliser: float) -> torch.Tensor:

@@ -218,6 +218,16 @@ class ActorConfig:
     adam_eps: float = 1.0e-8
     grad_clip: float = 1.0
     clip_ratio: float = 0.2
+    # DAPO's clip-higher: the trust region [1 - clip_ratio_low, 1 + clip_ratio_high]; null: clip_ratio
+    # (DAPO: 0.2 / 0.28)
+    clip_ratio_low: Optional[float] = None
+    clip_ratio_high: Optional[float] = None
+    # Dual-clip PPO: for negative advantages the per-token loss is at most -A * clip_ratio_c (> 1;
+    # verl's 3.0); null: off
+    clip_ratio_c: Optional[float] = None
+    # DAPO's overlong filtering: responses cut at rollout.max_new_tokens (finish_reason "length")
+    # carry no loss and do not count in the loss normaliser
+    overlong_filter: bool = False
     kl_coef: float = 0.0      # 0: no KL term, so no reference model is built (and no actor/kl_loss)
     kl_type: str = "low_var_kl"  # low_var_kl (k3) | kl (k1) | mse (k2)
     entropy_coef: float = 0.0
@@ -256,6 +266,15 @@ class ActorConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    # DAPO's soft overlong punishment: with L = rollout.max_new_tokens and this buffer length, a
+    # response of y tokens gets (L - len - y) / len * penalty_factor added to its reward when
+    # L - len < y <= L (0 below); 0: off
+    len: int = 0
+    penalty_factor: float = 1.0
+
+
+@dataclass
 class RewardConfig:
     # synthetic | gsm8k | custom (custom_file + custom_fn: fn(response, answer) -> float)
     name: str = "synthetic"
@@ -263,6 +282,7 @@ class RewardConfig:
     custom_fn: str = "compute_score"
     timeout_s: float = 10.0
     num_workers: int = 1        # reward processes; 0 scores inline (no timeout enforcement)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass

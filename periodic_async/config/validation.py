@@ -88,6 +88,8 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
     _choice("actor.policy_loss", cfg.actor.policy_loss, tuple(sorted(POLICY_LOSSES)))
     check_off_policy_keys(cfg.actor, POLICY_LOSSES)
     check_rollout_correction(cfg.actor)
+    check_clip_keys(cfg.actor)
+    check_overlong_buffer(cfg)
     _choice("actor.kl_type", cfg.actor.kl_type, ("low_var_kl", "kl", "mse"))
     _choice("actor.loss_agg_mode", cfg.actor.loss_agg_mode, ("token-mean", "seq-mean-token-mean"))
     _choice("reward.name", cfg.reward.name, ("synthetic", "gsm8k", "custom"))
@@ -283,6 +285,28 @@ def check_off_policy_keys(actor: Any, policy_losses: dict) -> None:
     if actor.vcpo_lr_scale and "vcpo/rho_sum" not in getattr(policy_losses.get(actor.policy_loss), "metric_keys", ()):
         raise ConfigError(f"actor.vcpo_lr_scale: needs a policy loss that reports the importance ratios' ESS "
                           f"(decoupled_ppo), got actor.policy_loss '{actor.policy_loss}'")
+
+
+def check_clip_keys(actor: Any) -> None:
+    """actor.clip_ratio / clip_ratio_low / clip_ratio_high / clip_ratio_c."""
+    if not 0.0 < actor.clip_ratio < 1.0:
+        raise ConfigError(f"actor.clip_ratio: must be in (0, 1), got {actor.clip_ratio}")
+    if actor.clip_ratio_low is not None and not 0.0 < actor.clip_ratio_low < 1.0:
+        raise ConfigError(f"actor.clip_ratio_low: must be in (0, 1) (or null for actor.clip_ratio), got {actor.clip_ratio_low}")
+    if actor.clip_ratio_high is not None and not actor.clip_ratio_high > 0.0:
+        raise ConfigError(f"actor.clip_ratio_high: must be > 0 (or null for actor.clip_ratio), got {actor.clip_ratio_high}")
+    if actor.clip_ratio_c is not None and not actor.clip_ratio_c > 1.0:
+        raise ConfigError(f"actor.clip_ratio_c: must be > 1 (or null for no dual clip), got {actor.clip_ratio_c}")
+
+
+def check_overlong_buffer(cfg: Any) -> None:
+    """reward.overlong_buffer (DAPO's soft overlong punishment)."""
+    buf = cfg.reward.overlong_buffer
+    if buf.len < 0 or buf.len > cfg.rollout.max_new_tokens:
+        raise ConfigError(f"reward.overlong_buffer.len: must be in [0, rollout.max_new_tokens = "
+                          f"{cfg.rollout.max_new_tokens}], got {buf.len}")
+    if not buf.penalty_factor >= 0:
+        raise ConfigError(f"reward.overlong_buffer.penalty_factor: must be >= 0, got {buf.penalty_factor}")
 
 
 def check_rollout_correction(actor: Any) -> None:

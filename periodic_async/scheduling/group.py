@@ -14,6 +14,9 @@ class Group:
     results: list[RolloutResult]             # K of them (K = this group's size), sorted by sample_index
     rewards: list[float] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)
+    # each response's soft overlong penalty, already added to its reward (reward.overlong_buffer);
+    # empty when off
+    overlong_penalties: list[float] = field(default_factory=list)
 
     @property
     def size(self) -> int:

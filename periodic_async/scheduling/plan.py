@@ -123,7 +123,9 @@ class AllocatedPlan(BatchPlan):
                                    f"samples {[r.sample_index for r in results]}, not 0..{tg.group_size - 1}")
             if self._positions >= self.max_groups:
                 raise RuntimeError(f"step {self.step}: the selection rule made more than {self.max_groups} groups trainable")
-            ready.append(Group(self._positions, part.prompt_ids, part.answer, results, rewards))
+            penalties = [x for a in tg.parts for x in parts[a.phase].overlong_penalties]
+            ready.append(Group(self._positions, part.prompt_ids, part.answer, results, rewards,
+                               overlong_penalties=penalties))
             self._positions += 1
         return more, ready
 

@@ -6,14 +6,19 @@ import time
 from typing import Callable
 
 from ..algo import compute_advantages
+from ..reward.overlong import overlong_penalty
 from .group import Group
 
 
 class Scorer:
+    """overlong: (max_new_tokens, buffer_len, penalty_factor) of DAPO's soft overlong punishment
+    (reward.overlong_buffer), added to every reward here - the one place every mode scores - or None."""
+
     def __init__(self, reward_manager, decode: Callable[[list[int]], str], adv_estimator: str = "grpo",
-                 algo_cfg=None):
+                 algo_cfg=None, overlong: tuple[int, int, float] | None = None):
         self.reward, self.decode = reward_manager, decode
         self.adv_estimator, self.algo_cfg = adv_estimator, algo_cfg
+        self.overlong = overlong
 
     def rewards(self, groups: list[Group], stats) -> None:
         """Fill each group's rewards (a part of a group too: a pilot's samples decide its commit)."""
@@ -23,6 +28,9 @@ class Scorer:
         it = iter(scored.scores)
         for g in groups:
             g.rewards = [next(it) for _ in g.results]
+            if self.overlong is not None:
+                g.overlong_penalties = [overlong_penalty(len(r.response_ids), *self.overlong) for r in g.results]
+                g.rewards = [x + p for x, p in zip(g.rewards, g.overlong_penalties)]
         stats.reward_s += time.perf_counter() - t0
         stats.num_errors += scored.num_errors
         stats.num_timeouts += scored.num_timeouts

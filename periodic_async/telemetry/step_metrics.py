@@ -56,7 +56,17 @@ def rollout_metrics(groups, stats, step_s: float, num_engines: int, restarts: in
         "prompt_length/mean": statistics.fmean(len(g.prompt_ids) for g in groups),
         "rollout/group_size/mean": statistics.fmean(g.size for g in groups),
         "rollout/solve_all_ratio": sum(max(g.rewards) >= 1.0 for g in groups) / len(groups),
+        **_overlong_metrics(groups),
     }
+
+
+def _overlong_metrics(groups) -> dict:
+    """reward.overlong_buffer: the mean penalty added and the share of responses inside the buffer."""
+    penalties = [p for g in groups for p in g.overlong_penalties]
+    if not penalties:
+        return {}
+    return {"reward/overlong_penalty/mean": statistics.fmean(penalties),
+            "reward/overlong_penalty/ratio": sum(p < 0 for p in penalties) / len(penalties)}
 
 
 def overlap_metrics(gen_interval: tuple[float, float], train_intervals) -> dict:

@@ -31,14 +31,15 @@ class BatchResult:
 
 def _micro_batches(actor, feed: GroupFeed, owner: dict[int, int], dp_rank: int, check_group,
                    micro_batch_size: int, out: BatchResult, seat=None, num_micro_batches: int = 0,
-                   with_rewards: bool = False):
+                   with_rewards: bool = False, overlong_filter: bool = False):
     """Packed micro-batches of this DP rank's groups as they arrive (the split rule:
     dp_assignment.cut_micro_batches), then loss-free padding up to `num_micro_batches` when groups
     came empty (positions an allocator did not fill). Every group of the batch is received (and
     checked, and kept in `out.groups`), this rank's or not. `seat` (backend.CoreSeat, cpu only):
     cores shared with the rollout workers - given up while waiting for a group, re-divided before
     each micro-step. `with_rewards`: the samples carry their reward and group (the loss re-centres
-    the advantages, vcpo_baseline), and every micro-batch must hold whole groups."""
+    the advantages, vcpo_baseline), and every micro-batch must hold whole groups.
+    `overlong_filter`: responses cut at max_new_tokens carry no loss (DAPO's overlong filtering)."""
     received = 0
 
     def next_group():
@@ -63,7 +64,8 @@ def _micro_batches(actor, feed: GroupFeed, owner: dict[int, int], dp_rank: int, 
             if owner[g.group_index] == dp_rank:
                 remaining -= 1
                 yield [TrainSample(r.prompt_ids, r.response_ids, a, r.logprobs, r.policy_version,
-                                   reward=rw if with_rewards else None, group=g.group_index if with_rewards else None)
+                                   reward=rw if with_rewards else None, group=g.group_index if with_rewards else None,
+                                   in_loss=in_loss(r, overlong_filter))
                        for r, a, rw in zip(g.results, g.advantages, g.rewards)]
 
     def split(sample):
@@ -90,6 +92,19 @@ def _micro_batches(actor, feed: GroupFeed, owner: dict[int, int], dp_rank: int, 
         yield actor.pack_padding()
 
 
+def in_loss(result, overlong_filter: bool) -> bool:
+    """Whether a response carries loss: all do, except with actor.overlong_filter the ones cut at
+    max_new_tokens (finish_reason "length"; DAPO's overlong filtering)."""
+    return not (overlong_filter and result.finish_reason == "length")
+
+
+def loss_normaliser(groups, loss_agg_mode: str, overlong_filter: bool = False) -> float:
+    """The batch's loss normaliser over the responses that carry loss (overlong filtering drops
+    the truncated ones from the count too, as DAPO)."""
+    return batch_normaliser([len(r.response_ids) for g in groups for r in g.results
+                             if in_loss(r, overlong_filter)], loss_agg_mode)
+
+
 def _tee(iterator, keep: list):
     """Yield from `iterator`, keeping a copy of every item in `keep` (for the later PPO epochs)."""
     for item in iterator:
@@ -108,8 +123,9 @@ def train_batch(actor, feed: GroupFeed, cfg, dp_rank: int, dp_size: int, check_g
     actor.refresh_old()
     # Epoch 1: consume groups as they arrive (old == policy: the old forward is skipped)
     keep = [] if cfg.ppo_epochs > 1 else None
+    overlong_filter = getattr(cfg, "overlong_filter", False)
     stream = _micro_batches(actor, feed, owner, dp_rank, check_group, cfg.micro_batch_size, out, seat, n_mb,
-                            with_rewards)
+                            with_rewards, overlong_filter)
     if keep is not None:
         stream = _tee(stream, keep)
     t0 = time.perf_counter()
@@ -128,7 +144,7 @@ def train_batch(actor, feed: GroupFeed, cfg, dp_rank: int, dp_size: int, check_g
 
     if seat is not None:
         seat.set_busy(True)    # the optimizer step (also after a rank whose last group was another's)
-    normaliser = batch_normaliser([len(r.response_ids) for g in out.groups for r in g.results], cfg.loss_agg_mode)
+    normaliser = loss_normaliser(out.groups, cfg.loss_agg_mode, overlong_filter)
     t0 = time.perf_counter()
     epochs = [sums]
     if normaliser == 0:

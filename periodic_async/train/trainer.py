@@ -290,8 +290,10 @@ class Trainer:
         from ..scheduling.scorer import Scorer
         cfg = self.cfg
         self.reward = RewardManager(cfg.reward)
+        buffer = cfg.reward.overlong_buffer
         scorer = Scorer(self.reward, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
-                        cfg.algo.adv_estimator, cfg.algo)
+                        cfg.algo.adv_estimator, cfg.algo,
+                        (cfg.rollout.max_new_tokens, buffer.len, buffer.penalty_factor) if buffer.len else None)
         if self.mode.engine_in_workers:
             pool = self._build_pool(placements, initial)
         else:
