@@ -103,7 +103,7 @@ def test_filtered_samples_carry_no_loss_and_leave_the_normaliser():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["actor.clip_ratio_low=1.5"], "actor.clip_ratio_low: must be in \\(0, 1\\)"),
+    (["actor.clip_ratio_low=1.5"], "actor.clip_ratio_low: must be in \\(0, 1\\]"),
     (["actor.clip_ratio_high=-0.1"], "actor.clip_ratio_high: must be > 0"),
     (["actor.clip_ratio_c=0.9"], "actor.clip_ratio_c: must be > 1"),
     (["reward.overlong_buffer.len=4"], "reward.overlong_buffer.len: must be in \\[0, rollout.max_new_tokens = 3\\]"),

@@ -3,7 +3,10 @@
 - advantage estimators (`algo.adv_estimator`): advantages.py - "grpo", "rloo",
   "vcpo_baseline" (VCPO's importance-weighted baseline);
 - policy losses (`actor.policy_loss`): losses.py - "grpo" (PPO-clip + KL to the reference + entropy),
-  "decoupled_ppo" (AReaL: PPO-clip on the proximal policy, weighted by pi_prox / pi_behav);
+  "decoupled_ppo" (AReaL: PPO-clip on the proximal policy, weighted by pi_prox / pi_behav); gspo.py -
+  "gspo" (sequence-level ratio and clip); cispo.py - "cispo" (clipped, detached IS weight x log-prob);
+  Dr. GRPO is a recipe (algo.norm_adv_by_std_in_grpo: false + actor.loss_agg_mode:
+  seq-mean-token-sum-norm; docs/algorithms.md);
 - variance control for off-policy batches (ESS, learning-rate scale, baseline): variance_control.py;
 - rollout / training mismatch correction (truncated IS, rejection; `actor.rollout_correction`),
   applied inside every policy loss: rollout_correction.py.

@@ -296,24 +296,40 @@ def dual_clip(pg_tok: torch.Tensor, advantages: torch.Tensor, clip_ratio_c: floa
     return torch.where(advantages < 0, torch.minimum(pg_tok, bound), pg_tok), lower
 
 
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
 def aggregate(token_values: torch.Tensor, mask: torch.Tensor, mode: str, normaliser: float) -> torch.Tensor:
     """Sum of masked per-token values over this micro-batch divided by the batch-wide normaliser.
     token-mean: normaliser = response tokens in the batch.
-    seq-mean-token-mean: each sequence's token mean, summed; normaliser = sequences in the batch."""
+    seq-mean-token-mean: each sequence's token mean, summed; normaliser = sequences in the batch.
+    seq-mean-token-sum-norm: token sum; normaliser = sequences x a constant length (Dr. GRPO)."""
     mask = mask.to(token_values.dtype)
     if mode == "token-mean":
         return (token_values * mask).sum() / normaliser
     if mode == "seq-mean-token-mean":
         per_seq = (token_values * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
         return per_seq.sum() / normaliser
-    raise ValueError(f"actor.loss_agg_mode: unknown '{mode}'; allowed: token-mean, seq-mean-token-mean")
+    if mode == "seq-mean-token-sum-norm":
+        return (token_values * mask).sum() / normaliser
+    raise ValueError(f"actor.loss_agg_mode: unknown '{mode}'; allowed: {', '.join(AGG_MODES)}")
 
 
-def batch_normaliser(response_lengths: Sequence[int], mode: str) -> float:
+def batch_normaliser(response_lengths: Sequence[int], mode: str, scale_factor: Optional[float] = None) -> float:
     """The normaliser `aggregate` expects, from the response lengths of the WHOLE batch: its
-    response-token count (token-mean) or its number of non-empty responses (seq-mean-token-mean)."""
+    response-token count (token-mean), its number of non-empty responses (seq-mean-token-mean), or
+    that number times the constant `scale_factor` (seq-mean-token-sum-norm, Dr. GRPO: each
+    response's token SUM over a constant length, so a long response is not down-weighted per token)."""
     if mode == "token-mean":
         return float(sum(response_lengths))
     if mode == "seq-mean-token-mean":
         return float(sum(1 for n in response_lengths if n > 0))
-    raise ValueError(f"actor.loss_agg_mode: unknown '{mode}'; allowed: token-mean, seq-mean-token-mean")
+    if mode == "seq-mean-token-sum-norm":
+        if scale_factor is None:
+            raise ValueError("actor.loss_agg_mode: 'seq-mean-token-sum-norm' needs actor.loss_scale_factor")
+        return float(sum(1 for n in response_lengths if n > 0)) * float(scale_factor)
+    raise ValueError(f"actor.loss_agg_mode: unknown '{mode}'; allowed: {', '.join(AGG_MODES)}")
+
+
+# the other registered losses, built on GRPOLoss (one file each)
+from . import cispo, gspo  # noqa: E402,F401  (registers "cispo", "gspo")

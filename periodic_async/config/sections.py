@@ -199,7 +199,8 @@ class RolloutCorrectionConfig:
 @dataclass
 class ActorConfig:
     # The objective: a name in periodic_async.algo.POLICY_LOSSES (grpo: PPO-clip + KL + entropy;
-    # decoupled_ppo: AReaL's PPO-clip on the proximal policy, weighted by pi_prox / pi_behav).
+    # decoupled_ppo: AReaL's PPO-clip on the proximal policy, weighted by pi_prox / pi_behav;
+    # gspo: sequence-level ratio and clip; cispo: clipped detached IS weight x log-prob; docs/algorithms.md).
     policy_loss: str = "grpo"
     # decoupled_ppo only: tokens whose pi_prox / pi_behav exceeds this are masked out of the policy
     # gradient (AReaL's behav_imp_weight_cap; > 1). None: no cap.
@@ -232,7 +233,10 @@ class ActorConfig:
     kl_type: str = "low_var_kl"  # low_var_kl (k3) | kl (k1) | mse (k2)
     entropy_coef: float = 0.0
     micro_batch_size: int = 32   # sequences per forward/backward micro-step
-    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean
+    # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm (token sums over sequences x
+    # loss_scale_factor: Dr. GRPO's constant normaliser; null: rollout.max_new_tokens)
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: Optional[float] = None
     # Pack each group as one sequence [prompt | r1 | ... | rK] and compute the prompt once
     # (exact; kernels/shared_prompt, docs/shared-prompt.md). The attention kernel follows the backend.
     shared_prompt: bool = False

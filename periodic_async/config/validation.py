@@ -91,7 +91,13 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
     check_clip_keys(cfg.actor)
     check_overlong_buffer(cfg)
     _choice("actor.kl_type", cfg.actor.kl_type, ("low_var_kl", "kl", "mse"))
-    _choice("actor.loss_agg_mode", cfg.actor.loss_agg_mode, ("token-mean", "seq-mean-token-mean"))
+    _choice("actor.loss_agg_mode", cfg.actor.loss_agg_mode, ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
+    if cfg.actor.loss_scale_factor is not None and not cfg.actor.loss_scale_factor > 0:
+        raise ConfigError(f"actor.loss_scale_factor: must be > 0 (or null for rollout.max_new_tokens), "
+                          f"got {cfg.actor.loss_scale_factor}")
+    if cfg.actor.policy_loss == "gspo" and cfg.actor.loss_agg_mode != "seq-mean-token-mean":
+        raise ConfigError(f"actor.loss_agg_mode: actor.policy_loss 'gspo' averages per sequence (the paper's "
+                          f"objective); set actor.loss_agg_mode=seq-mean-token-mean, got '{cfg.actor.loss_agg_mode}'")
     _choice("reward.name", cfg.reward.name, ("synthetic", "gsm8k", "custom"))
     _choice("trainer.mode", cfg.trainer.mode, ("periodic", "sync", "sync_split", "async"))
     _check_async(cfg)
@@ -291,8 +297,8 @@ def check_clip_keys(actor: Any) -> None:
     """actor.clip_ratio / clip_ratio_low / clip_ratio_high / clip_ratio_c."""
     if not 0.0 < actor.clip_ratio < 1.0:
         raise ConfigError(f"actor.clip_ratio: must be in (0, 1), got {actor.clip_ratio}")
-    if actor.clip_ratio_low is not None and not 0.0 < actor.clip_ratio_low < 1.0:
-        raise ConfigError(f"actor.clip_ratio_low: must be in (0, 1) (or null for actor.clip_ratio), got {actor.clip_ratio_low}")
+    if actor.clip_ratio_low is not None and not 0.0 < actor.clip_ratio_low <= 1.0:
+        raise ConfigError(f"actor.clip_ratio_low: must be in (0, 1] (or null for actor.clip_ratio), got {actor.clip_ratio_low}")
     if actor.clip_ratio_high is not None and not actor.clip_ratio_high > 0.0:
         raise ConfigError(f"actor.clip_ratio_high: must be > 0 (or null for actor.clip_ratio), got {actor.clip_ratio_high}")
     if actor.clip_ratio_c is not None and not actor.clip_ratio_c > 1.0:

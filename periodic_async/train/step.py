@@ -98,11 +98,13 @@ def in_loss(result, overlong_filter: bool) -> bool:
     return not (overlong_filter and result.finish_reason == "length")
 
 
-def loss_normaliser(groups, loss_agg_mode: str, overlong_filter: bool = False) -> float:
+def loss_normaliser(groups, loss_agg_mode: str, overlong_filter: bool = False,
+                    loss_scale_factor: float | None = None) -> float:
     """The batch's loss normaliser over the responses that carry loss (overlong filtering drops
-    the truncated ones from the count too, as DAPO)."""
+    the truncated ones from the count too, as DAPO); loss_scale_factor: seq-mean-token-sum-norm's
+    constant length."""
     return batch_normaliser([len(r.response_ids) for g in groups for r in g.results
-                             if in_loss(r, overlong_filter)], loss_agg_mode)
+                             if in_loss(r, overlong_filter)], loss_agg_mode, loss_scale_factor)
 
 
 def _tee(iterator, keep: list):
@@ -113,7 +115,7 @@ def _tee(iterator, keep: list):
 
 
 def train_batch(actor, feed: GroupFeed, cfg, dp_rank: int, dp_size: int, check_group, seat=None,
-                with_rewards: bool = False) -> BatchResult:
+                with_rewards: bool = False, loss_scale_factor: float | None = None) -> BatchResult:
     """Train on one batch: `cfg` the ActorConfig; `check_group(group)` raises on a group that may
     not be trained on (the staleness rule). Every group reaches every rank (feed); this DP rank
     trains on those `assign_groups` gives it. `seat`, `with_rewards`: see _micro_batches."""
@@ -144,7 +146,7 @@ def train_batch(actor, feed: GroupFeed, cfg, dp_rank: int, dp_size: int, check_g
 
     if seat is not None:
         seat.set_busy(True)    # the optimizer step (also after a rank whose last group was another's)
-    normaliser = loss_normaliser(out.groups, cfg.loss_agg_mode, overlong_filter)
+    normaliser = loss_normaliser(out.groups, cfg.loss_agg_mode, overlong_filter, loss_scale_factor)
     t0 = time.perf_counter()
     epochs = [sums]
     if normaliser == 0:

@@ -342,7 +342,8 @@ class Trainer:
             sizes, groups = plan.train_sizes, self.producer.groups(step)
         feed = GroupFeed(sizes, groups, self.feed_group)
         batch = train_batch(self.actor, feed, cfg.actor, self.dp_rank, self.dp_size, self._check_group,
-                            seat=self.core_seat, with_rewards=self._importance_baseline)
+                            seat=self.core_seat, with_rewards=self._importance_baseline,
+                            loss_scale_factor=cfg.actor.loss_scale_factor or cfg.rollout.max_new_tokens)
         t_batch_end = time.perf_counter()
         metrics = dict(batch.metrics)
         metrics["timing_s/update_actor"] = batch.train_s
