@@ -123,7 +123,7 @@ def test_missing_file_and_bad_override_syntax(tmp_path):
     (["actor.ppo_epochs=0"], {}, "actor.ppo_epochs: must be >= 1, got 0"),
     (["actor.export_bucket_mb=0"], {}, "actor.export_bucket_mb: must be > 0"),
     (["algo.adv_estimator=gae"], {}, "algo.adv_estimator: 'gae' is not allowed; allowed: grpo, rloo"),
-    (["actor.policy_loss=dpo"], {}, "actor.policy_loss: 'dpo' is not allowed; allowed: decoupled_ppo, grpo"),
+    (["actor.policy_loss=dpo"], {}, "actor.policy_loss: 'dpo' is not allowed; allowed: cispo, decoupled_ppo, grpo, gspo"),
     (["algo.adv_eps=0"], {}, "algo.adv_eps: must be > 0, got 0.0"),
     (["rollout.remote_workers=2"], {}, "rollout.remote_workers: workers on other nodes share no memory with the "
                                         "trainer; set rollout.weight_sync: broadcast"),

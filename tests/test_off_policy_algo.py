@@ -177,7 +177,7 @@ def test_vcpo_baseline_estimator():
 def test_registry_names_resolve_and_unknown_names_name_the_key():
     assert isinstance(algo.build_policy_loss("decoupled_ppo", ActorConfig()), algo.losses.DecoupledPPOLoss)
     assert "vcpo_baseline" in algo.ADV_ESTIMATORS and "decoupled_ppo" in algo.POLICY_LOSSES
-    with pytest.raises(ValueError, match=r"actor.policy_loss: unknown 'decoupled'; allowed: decoupled_ppo, grpo"):
+    with pytest.raises(ValueError, match=r"actor.policy_loss: unknown 'decoupled'; allowed: cispo, decoupled_ppo, grpo, gspo"):
         algo.build_policy_loss("decoupled", ActorConfig())
     with pytest.raises(ValueError, match=r"algo.adv_estimator: unknown 'vcpo'; allowed: .*vcpo_baseline"):
         compute_advantages("vcpo", [[0.0, 1.0]])
