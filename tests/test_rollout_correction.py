@@ -194,3 +194,30 @@ def test_a_run_with_perturbed_engine_logprobs_reports_and_masks_the_gap(tmp_path
         assert h["rollout_corr/rollout_is_truncated_fraction"] == 0.0
         assert h["rollout_corr/rollout_is_max"] < 1.01
         assert math.isfinite(h["actor/pg_loss"])
+
+
+@pytest.mark.parametrize("name", ["grpo", "decoupled_ppo"])
+def test_actor_reduction_over_micro_batches_equals_the_whole_batch(name):
+    """The actor's own reduction (TriModelActor._reduce_metrics: sums of metric_keys, max of
+    max_metric_keys, then finalize_metrics; single process, no DP group) over micro-batches {row 0}
+    and {row 1} gives the whole batch's rollout_corr/* values; checked against hand-computed ones."""
+    from types import SimpleNamespace
+
+    from periodic_async.actor.tri_model import TriModelActor
+    cfg = ActorConfig(policy_loss=name, rollout_correction=RolloutCorrectionConfig(
+        rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token", rollout_rs_threshold=2.5,
+        rollout_rs_threshold_lower=0.4))
+    loss = algo.build_policy_loss(name, cfg)
+    store = [loss(algo.LossInputs(**{k: (v[rows] if torch.is_tensor(v) else v) for k, v in _inputs().items()}))[1]
+             for rows in (slice(0, 1), slice(1, 2))]
+    actor = SimpleNamespace(objective=loss, cfg=cfg, device=torch.device("cpu"))
+    got = TriModelActor._reduce_metrics(actor, store)
+    logs = torch.log(torch.tensor([3.0, 0.5, 1.5, 1.0, 0.25]))    # the 5 response tokens' log r
+    assert got["rollout_corr/kl"] == pytest.approx(float(-logs.mean()))
+    assert got["rollout_corr/k3_kl"] == pytest.approx(float((logs.exp() - 1 - logs).mean()))
+    assert got["rollout_corr/log_ratio_abs_mean"] == pytest.approx(float(logs.abs().mean()))
+    assert got["rollout_corr/rollout_is_max"] == pytest.approx(3.0)                  # max of 3.0 and 1.5
+    assert got["rollout_corr/rollout_is_truncated_fraction"] == pytest.approx(1 / 5)
+    assert got["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(2 / 5)
+    assert got["rollout_corr/rollout_rs_masked_seq_fraction"] == pytest.approx(1.0)
+    assert not any(k in got for k in rc.SUM_KEYS)                                     # sums turned into means
