@@ -164,11 +164,14 @@ def test_bad_settings_name_the_key(overrides, message):
         load_config("configs/default.yaml", overrides).validate(world_size=1)
 
 
-def test_a_run_with_perturbed_engine_logprobs_reports_and_masks_the_gap(tmp_path):
-    """Sync mode, the engine's log-prob of every response's first token raised by 0.5 on purpose:
-    pi_old / pi_rollout there is exp(-0.5) = 0.61, outside [1 / 1.5, 1.5], so rollout_rs token
-    masks exactly one token per response (the others agree to fp32 rounding): the masked share is
-    responses / tokens = 1 / mean length, and k1 = 0.5 / mean length."""
+@pytest.mark.parametrize("shift", [0.5, -1.0])
+def test_a_run_with_perturbed_engine_logprobs_reports_and_masks_the_gap(tmp_path, shift):
+    """Sync mode, the engine's log-prob of every response's first token shifted by `shift` on
+    purpose: pi_old / pi_rollout there is exp(-shift) (0.61 or 2.72), outside [1 / 1.5, 1.5], so
+    rollout_rs token masks exactly one token per response (the others agree to fp32 rounding): the
+    masked share is responses / tokens = 1 / mean length, and k1 = shift / mean length. With
+    -1.0 the ratio 2.72 also exceeds rollout_is_threshold 2: the truncated share is 1 / mean length
+    too and the max ratio is e."""
     from periodic_async.train.trainer import Trainer
     cfg = load_config("configs/default.yaml", [
         f"trainer.run_dir={tmp_path}", "trainer.mode=sync", "trainer.total_steps=3", "trainer.progress_bar=false",
@@ -182,7 +185,7 @@ def test_a_run_with_perturbed_engine_logprobs_reports_and_masks_the_gap(tmp_path
         results = poll(*a, **kw)
         for r in results:
             if r.logprobs:
-                r.logprobs = [r.logprobs[0] + 0.5] + list(r.logprobs[1:])
+                r.logprobs = [r.logprobs[0] + shift] + list(r.logprobs[1:])
         return results
     pool.poll = perturbed_poll
     history = trainer.fit()
@@ -190,9 +193,13 @@ def test_a_run_with_perturbed_engine_logprobs_reports_and_masks_the_gap(tmp_path
     for h in history:
         inv_len = 1.0 / h["response_length/mean"]
         assert h["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(inv_len, rel=1e-6)
-        assert h["rollout_corr/kl"] == pytest.approx(0.5 * inv_len, rel=1e-3)
-        assert h["rollout_corr/rollout_is_truncated_fraction"] == 0.0
-        assert h["rollout_corr/rollout_is_max"] < 1.01
+        assert h["rollout_corr/kl"] == pytest.approx(shift * inv_len, rel=1e-3)
+        if shift > 0:
+            assert h["rollout_corr/rollout_is_truncated_fraction"] == 0.0
+            assert h["rollout_corr/rollout_is_max"] < 1.01
+        else:
+            assert h["rollout_corr/rollout_is_truncated_fraction"] == pytest.approx(inv_len, rel=1e-6)
+            assert h["rollout_corr/rollout_is_max"] == pytest.approx(math.exp(-shift), rel=1e-3)
         assert math.isfinite(h["actor/pg_loss"])
 
 
