@@ -58,6 +58,8 @@ def _want(weight):
     ({"rollout_rs": "geometric", "rollout_rs_threshold": 2.0}, torch.ones(2, 3)),
     ({"rollout_rs": "geometric", "rollout_rs_threshold": 2.0, "rollout_rs_threshold_lower": 0.8},
      torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])),
+    # rollout_rs_threshold null: upper = rollout_is_threshold 2.5, lower 1 / 2.5 = 0.4 (verl's defaults)
+    ({"rollout_rs": "token", "rollout_is_threshold": 2.5}, torch.tensor([[0.0, 1.0, 1.0], [1.0, 1.0, 0.0]])),
     # both: truncated weights times the mask
     ({"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "token", "rollout_rs_threshold": 2.5,
       "rollout_rs_threshold_lower": 0.4}, torch.tensor([[0.0, 0.5, 1.0], [1.5, 1.0, 0.0]])),
@@ -152,7 +154,10 @@ def test_metrics_summed_over_micro_batches_equal_the_whole_batch():
     (["actor.rollout_correction.rollout_is=tokens"], "actor.rollout_correction.rollout_is: 'tokens' is not allowed"),
     (["actor.rollout_correction.rollout_is=token", "actor.rollout_correction.rollout_is_threshold=0.5"],
      "actor.rollout_correction.rollout_is_threshold: must be > 1"),
-    (["actor.rollout_correction.rollout_rs=token"], "actor.rollout_correction.rollout_rs_threshold: must be > 1"),
+    (["actor.rollout_correction.rollout_rs=token", "actor.rollout_correction.rollout_rs_threshold=0.9"],
+     "actor.rollout_correction.rollout_rs_threshold: must be > 1"),
+    (["actor.rollout_correction.rollout_rs=token", "actor.rollout_correction.rollout_is_threshold=1.0"],
+     "actor.rollout_correction.rollout_is_threshold: must be > 1 \\(rollout_rs_threshold null"),
     (["actor.rollout_correction.rollout_rs=sequence", "actor.rollout_correction.rollout_rs_threshold=2",
       "actor.rollout_correction.rollout_rs_threshold_lower=1.5"],
      "actor.rollout_correction.rollout_rs_threshold_lower: must be in"),
