@@ -233,3 +233,23 @@ def test_actor_reduction_over_micro_batches_equals_the_whole_batch(name):
     assert got["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(2 / 5)
     assert got["rollout_corr/rollout_rs_masked_seq_fraction"] == pytest.approx(1.0)
     assert not any(k in got for k in rc.SUM_KEYS)                                     # sums turned into means
+
+
+def test_an_async_decoupled_ppo_run_reports_the_same_ratio_in_both_metric_families(tmp_path):
+    """Async (eta = 2, stale samples) decoupled_ppo with rollout_is token and rollout_rs token on:
+    it trains, and rollout_corr/* measures the very ratio decoupled PPO weights by (pi_prox /
+    pi_behav = pi_old / pi_rollout), so its mean and max equal ppo/behave_imp_weight/{mean,max}
+    every step, and a stale step shows a gap (k3 > 0)."""
+    from test_periodic import _run
+    _, history, _ = _run(tmp_path, "async", "trainer.max_staleness=2", "trainer.total_steps=4",
+                         "rollout.num_workers=2", "rollout.arrival_jitter_s=0.01", "actor.policy_loss=decoupled_ppo",
+                         "actor.behav_imp_weight_cap=5.0", "actor.rollout_correction.rollout_is=token",
+                         "actor.rollout_correction.rollout_rs=token", "actor.rollout_correction.rollout_rs_threshold=3.0")
+    assert len(history) == 4
+    for h in history:
+        assert h["rollout_corr/ratio_mean"] == pytest.approx(h["ppo/behave_imp_weight/mean"], rel=1e-5)
+        assert h["rollout_corr/rollout_is_max"] == pytest.approx(h["ppo/behave_imp_weight/max"], rel=1e-5)
+        assert 0.0 <= h["rollout_corr/rollout_rs_masked_fraction"] <= 1.0
+        assert h["rollout_corr/k3_kl"] >= 0.0 and math.isfinite(h["actor/pg_loss"])
+    stale = [h for h in history if h["training/off_policy/trajectory_staleness/max"] > 0]
+    assert stale and any(h["rollout_corr/k3_kl"] > 0 for h in stale)
