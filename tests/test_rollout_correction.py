@@ -58,6 +58,8 @@ def _want(weight):
     ({"rollout_rs": "geometric", "rollout_rs_threshold": 2.0}, torch.ones(2, 3)),
     ({"rollout_rs": "geometric", "rollout_rs_threshold": 2.0, "rollout_rs_threshold_lower": 0.8},
      torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])),
+    # rollout_rs_threshold null: upper = rollout_is_threshold 2.5, lower 1 / 2.5 = 0.4 (verl's defaults)
+    ({"rollout_rs": "token", "rollout_is_threshold": 2.5}, torch.tensor([[0.0, 1.0, 1.0], [1.0, 1.0, 0.0]])),
     # both: truncated weights times the mask
     ({"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "token", "rollout_rs_threshold": 2.5,
       "rollout_rs_threshold_lower": 0.4}, torch.tensor([[0.0, 0.5, 1.0], [1.5, 1.0, 0.0]])),
@@ -152,7 +154,10 @@ def test_metrics_summed_over_micro_batches_equal_the_whole_batch():
     (["actor.rollout_correction.rollout_is=tokens"], "actor.rollout_correction.rollout_is: 'tokens' is not allowed"),
     (["actor.rollout_correction.rollout_is=token", "actor.rollout_correction.rollout_is_threshold=0.5"],
      "actor.rollout_correction.rollout_is_threshold: must be > 1"),
-    (["actor.rollout_correction.rollout_rs=token"], "actor.rollout_correction.rollout_rs_threshold: must be > 1"),
+    (["actor.rollout_correction.rollout_rs=token", "actor.rollout_correction.rollout_rs_threshold=0.9"],
+     "actor.rollout_correction.rollout_rs_threshold: must be > 1"),
+    (["actor.rollout_correction.rollout_rs=token", "actor.rollout_correction.rollout_is_threshold=1.0"],
+     "actor.rollout_correction.rollout_is_threshold: must be > 1 \\(rollout_rs_threshold null"),
     (["actor.rollout_correction.rollout_rs=sequence", "actor.rollout_correction.rollout_rs_threshold=2",
       "actor.rollout_correction.rollout_rs_threshold_lower=1.5"],
      "actor.rollout_correction.rollout_rs_threshold_lower: must be in"),
@@ -164,11 +169,14 @@ def test_bad_settings_name_the_key(overrides, message):
         load_config("configs/default.yaml", overrides).validate(world_size=1)
 
 
-def test_a_run_with_perturbed_engine_logprobs_reports_and_masks_the_gap(tmp_path):
-    """Sync mode, the engine's log-prob of every response's first token raised by 0.5 on purpose:
-    pi_old / pi_rollout there is exp(-0.5) = 0.61, outside [1 / 1.5, 1.5], so rollout_rs token
-    masks exactly one token per response (the others agree to fp32 rounding): the masked share is
-    responses / tokens = 1 / mean length, and k1 = 0.5 / mean length."""
+@pytest.mark.parametrize("shift", [0.5, -1.0])
+def test_a_run_with_perturbed_engine_logprobs_reports_and_masks_the_gap(tmp_path, shift):
+    """Sync mode, the engine's log-prob of every response's first token shifted by `shift` on
+    purpose: pi_old / pi_rollout there is exp(-shift) (0.61 or 2.72), outside [1 / 1.5, 1.5], so
+    rollout_rs token masks exactly one token per response (the others agree to fp32 rounding): the
+    masked share is responses / tokens = 1 / mean length, and k1 = shift / mean length. With
+    -1.0 the ratio 2.72 also exceeds rollout_is_threshold 2: the truncated share is 1 / mean length
+    too and the max ratio is e."""
     from periodic_async.train.trainer import Trainer
     cfg = load_config("configs/default.yaml", [
         f"trainer.run_dir={tmp_path}", "trainer.mode=sync", "trainer.total_steps=3", "trainer.progress_bar=false",
@@ -182,7 +190,7 @@ def test_a_run_with_perturbed_engine_logprobs_reports_and_masks_the_gap(tmp_path
         results = poll(*a, **kw)
         for r in results:
             if r.logprobs:
-                r.logprobs = [r.logprobs[0] + 0.5] + list(r.logprobs[1:])
+                r.logprobs = [r.logprobs[0] + shift] + list(r.logprobs[1:])
         return results
     pool.poll = perturbed_poll
     history = trainer.fit()
@@ -190,7 +198,58 @@ def test_a_run_with_perturbed_engine_logprobs_reports_and_masks_the_gap(tmp_path
     for h in history:
         inv_len = 1.0 / h["response_length/mean"]
         assert h["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(inv_len, rel=1e-6)
-        assert h["rollout_corr/kl"] == pytest.approx(0.5 * inv_len, rel=1e-3)
-        assert h["rollout_corr/rollout_is_truncated_fraction"] == 0.0
-        assert h["rollout_corr/rollout_is_max"] < 1.01
+        assert h["rollout_corr/kl"] == pytest.approx(shift * inv_len, rel=1e-3)
+        if shift > 0:
+            assert h["rollout_corr/rollout_is_truncated_fraction"] == 0.0
+            assert h["rollout_corr/rollout_is_max"] < 1.01
+        else:
+            assert h["rollout_corr/rollout_is_truncated_fraction"] == pytest.approx(inv_len, rel=1e-6)
+            assert h["rollout_corr/rollout_is_max"] == pytest.approx(math.exp(-shift), rel=1e-3)
         assert math.isfinite(h["actor/pg_loss"])
+
+
+@pytest.mark.parametrize("name", ["grpo", "decoupled_ppo"])
+def test_actor_reduction_over_micro_batches_equals_the_whole_batch(name):
+    """The actor's own reduction (TriModelActor._reduce_metrics: sums of metric_keys, max of
+    max_metric_keys, then finalize_metrics; single process, no DP group) over micro-batches {row 0}
+    and {row 1} gives the whole batch's rollout_corr/* values; checked against hand-computed ones."""
+    from types import SimpleNamespace
+
+    from periodic_async.actor.tri_model import TriModelActor
+    cfg = ActorConfig(policy_loss=name, rollout_correction=RolloutCorrectionConfig(
+        rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token", rollout_rs_threshold=2.5,
+        rollout_rs_threshold_lower=0.4))
+    loss = algo.build_policy_loss(name, cfg)
+    store = [loss(algo.LossInputs(**{k: (v[rows] if torch.is_tensor(v) else v) for k, v in _inputs().items()}))[1]
+             for rows in (slice(0, 1), slice(1, 2))]
+    actor = SimpleNamespace(objective=loss, cfg=cfg, device=torch.device("cpu"))
+    got = TriModelActor._reduce_metrics(actor, store)
+    logs = torch.log(torch.tensor([3.0, 0.5, 1.5, 1.0, 0.25]))    # the 5 response tokens' log r
+    assert got["rollout_corr/kl"] == pytest.approx(float(-logs.mean()))
+    assert got["rollout_corr/k3_kl"] == pytest.approx(float((logs.exp() - 1 - logs).mean()))
+    assert got["rollout_corr/log_ratio_abs_mean"] == pytest.approx(float(logs.abs().mean()))
+    assert got["rollout_corr/rollout_is_max"] == pytest.approx(3.0)                  # max of 3.0 and 1.5
+    assert got["rollout_corr/rollout_is_truncated_fraction"] == pytest.approx(1 / 5)
+    assert got["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(2 / 5)
+    assert got["rollout_corr/rollout_rs_masked_seq_fraction"] == pytest.approx(1.0)
+    assert not any(k in got for k in rc.SUM_KEYS)                                     # sums turned into means
+
+
+def test_an_async_decoupled_ppo_run_reports_the_same_ratio_in_both_metric_families(tmp_path):
+    """Async (eta = 2, stale samples) decoupled_ppo with rollout_is token and rollout_rs token on:
+    it trains, and rollout_corr/* measures the very ratio decoupled PPO weights by (pi_prox /
+    pi_behav = pi_old / pi_rollout), so its mean and max equal ppo/behave_imp_weight/{mean,max}
+    every step, and a stale step shows a gap (k3 > 0)."""
+    from test_periodic import _run
+    _, history, _ = _run(tmp_path, "async", "trainer.max_staleness=2", "trainer.total_steps=4",
+                         "rollout.num_workers=2", "rollout.arrival_jitter_s=0.01", "actor.policy_loss=decoupled_ppo",
+                         "actor.behav_imp_weight_cap=5.0", "actor.rollout_correction.rollout_is=token",
+                         "actor.rollout_correction.rollout_rs=token", "actor.rollout_correction.rollout_rs_threshold=3.0")
+    assert len(history) == 4
+    for h in history:
+        assert h["rollout_corr/ratio_mean"] == pytest.approx(h["ppo/behave_imp_weight/mean"], rel=1e-5)
+        assert h["rollout_corr/rollout_is_max"] == pytest.approx(h["ppo/behave_imp_weight/max"], rel=1e-5)
+        assert 0.0 <= h["rollout_corr/rollout_rs_masked_fraction"] <= 1.0
+        assert h["rollout_corr/k3_kl"] >= 0.0 and math.isfinite(h["actor/pg_loss"])
+    stale = [h for h in history if h["training/off_policy/trajectory_staleness/max"] > 0]
+    assert stale and any(h["rollout_corr/k3_kl"] > 0 for h in stale)

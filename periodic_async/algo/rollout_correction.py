@@ -12,8 +12,10 @@ log-probs the sample carries):
   C = `rollout_is_threshold`. The weights are detached.
 - rejection (masking; MIS / IcePop style): `rollout_rs: token` drops tokens whose r_t leaves
   [lower, upper]; `sequence` drops whole responses whose prod_t r_t leaves it; `geometric` uses
-  the geometric mean exp(mean_t log r_t) (length-independent). upper = `rollout_rs_threshold`,
-  lower = `rollout_rs_threshold_lower` (default 1 / upper, as verl).
+  the geometric mean exp(mean_t log r_t) (length-independent). upper = `rollout_rs_threshold`
+  (default `rollout_is_threshold`), lower = `rollout_rs_threshold_lower` (default 1 / upper); both
+  defaults as verl. `sequence` is the product of the token ratios, as verl's `sequence`; the
+  geometric mean is verl's separate `geometric` level. There is no default level: off, as verl.
 
 Dropped tokens keep their place in the batch's loss normaliser (like decoupled PPO's capped
 tokens): the normaliser is fixed before the batch's first micro-step, so micro-batch sums stay
@@ -56,8 +58,9 @@ class Correction:
 
 
 def rs_bounds(cfg) -> tuple[float, float]:
-    """(lower, upper) of the rejection band: lower defaults to 1 / upper."""
-    upper = cfg.rollout_rs_threshold
+    """(lower, upper) of the rejection band: upper defaults to rollout_is_threshold and lower to
+    1 / upper (verl's defaults)."""
+    upper = cfg.rollout_rs_threshold if cfg.rollout_rs_threshold is not None else cfg.rollout_is_threshold
     lower = cfg.rollout_rs_threshold_lower if cfg.rollout_rs_threshold_lower is not None else 1.0 / upper
     return lower, upper
 

@@ -192,7 +192,7 @@ class RolloutCorrectionConfig:
     # Rejection (masking): null (off) | token (drop tokens with r outside [lower, upper]) |
     # sequence (drop responses whose prod r is outside) | geometric (their exp(mean log r) is outside)
     rollout_rs: Optional[str] = None
-    rollout_rs_threshold: Optional[float] = None         # upper, > 1 (needed when rollout_rs is set)
+    rollout_rs_threshold: Optional[float] = None         # upper, > 1; null: rollout_is_threshold (as verl)
     rollout_rs_threshold_lower: Optional[float] = None   # lower, in (0, 1); null: 1 / upper
 
 

@@ -328,7 +328,10 @@ def check_rollout_correction(actor: Any) -> None:
                               "weights each token by pi_prox / pi_behav; use 'token' to truncate that weight")
     if rc.rollout_rs is not None:
         _choice(f"{key}.rollout_rs", rc.rollout_rs, ("token", "sequence", "geometric"))
-        if rc.rollout_rs_threshold is None or not rc.rollout_rs_threshold > 1.0:
+        if rc.rollout_rs_threshold is None and not rc.rollout_is_threshold > 1.0:
+            raise ConfigError(f"{key}.rollout_is_threshold: must be > 1 (rollout_rs_threshold null uses it), "
+                              f"got {rc.rollout_is_threshold}")
+        if rc.rollout_rs_threshold is not None and not rc.rollout_rs_threshold > 1.0:
             raise ConfigError(f"{key}.rollout_rs_threshold: must be > 1 when rollout_rs is set, "
                               f"got {rc.rollout_rs_threshold}")
         low = rc.rollout_rs_threshold_lower
