@@ -27,12 +27,17 @@ _LOSSES = ("POLICY_LOSSES", "LossInputs", "PolicyLoss", "aggregate", "batch_norm
            "sequence_importance_ratios")
 
 
+_MORE_LOSSES = ("gspo", "cispo")
+
+
 def __getattr__(name):
     # losses.py needs torch; the estimators do not, so the scheduling side (and a simulator) can
     # import this package without it
     if name in _LOSSES or name == "losses":
         import importlib
         losses = importlib.import_module(f"{__name__}.losses")
+        for module in _MORE_LOSSES:      # the losses built on losses.GRPOLoss register on import
+            importlib.import_module(f"{__name__}.{module}")
         return losses if name == "losses" else getattr(losses, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

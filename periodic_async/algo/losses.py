@@ -329,7 +329,3 @@ def batch_normaliser(response_lengths: Sequence[int], mode: str, scale_factor: O
             raise ValueError("actor.loss_agg_mode: 'seq-mean-token-sum-norm' needs actor.loss_scale_factor")
         return float(sum(1 for n in response_lengths if n > 0)) * float(scale_factor)
     raise ValueError(f"actor.loss_agg_mode: unknown '{mode}'; allowed: {', '.join(AGG_MODES)}")
-
-
-# the other registered losses, built on GRPOLoss (one file each)
-from . import cispo, gspo  # noqa: E402,F401  (registers "cispo", "gspo")
