@@ -302,6 +302,13 @@ class TrainerConfig:
     run_dir: str = "runs/default"
     seed: int = 1
     tensorboard: bool = True    # written when the tensorboard package is installed
+    # Tracking backends (telemetry/tracking_backends.py), any of console, jsonl, tensorboard, wandb,
+    # mlflow; null: today's set (console + jsonl + tensorboard when trainer.tensorboard and installed).
+    logger: Optional[list] = None
+    project_name: Optional[str] = None     # wandb project / mlflow experiment; null: run_dir's parent name
+    experiment_name: Optional[str] = None  # wandb / mlflow run name; null: run_dir's base name
+    wandb_mode: str = "offline"            # offline (sync later with `wandb sync`) | online | disabled
+    mlflow_tracking_uri: Optional[str] = None  # null: a file store at run_dir/mlruns
     save_final: bool = True     # export the final policy as a HF directory (run_dir/final_hf)
     progress_bar: bool = True
     record_timeline: bool = False  # write timeline.jsonl (generate / train / sync intervals)

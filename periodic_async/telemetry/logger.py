@@ -1,4 +1,5 @@
-"""The metrics logger: one JSONL record per step, TensorBoard when installed, a console line."""
+"""The metrics logger: one JSONL record per step, TensorBoard when installed, a console line;
+trainer.logger picks the backends by name (telemetry/tracking_backends.py adds wandb / mlflow)."""
 from __future__ import annotations
 
 import json
@@ -29,12 +30,19 @@ def format_console(step: int, metrics: dict) -> str:
 
 class MetricsLogger:
     def __init__(self, run_dir: str, tensorboard: bool = True, enabled: bool = True,
-                 resume_after_step: Optional[int] = None):
-        """resume_after_step: a resumed run keeps the records of steps up to this one (the
+                 resume_after_step: Optional[int] = None, loggers: Optional[list] = None,
+                 project: Optional[str] = None, experiment: Optional[str] = None,
+                 config: Optional[dict] = None, wandb_mode: str = "offline",
+                 mlflow_tracking_uri: Optional[str] = None):
+        """loggers: trainer.logger's names; None is today's set (console, jsonl, tensorboard when
+        `tensorboard` and installed). resume_after_step: a resumed run keeps the records of steps up to this one (the
         checkpoint's) and drops later ones, which the resumed run writes again."""
         self.enabled = enabled
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._tb = None
+        self._backends = []
+        self._console = loggers is None or "console" in loggers
+        self._jsonl = loggers is None or "jsonl" in loggers
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -50,12 +58,27 @@ class MetricsLogger:
         self._file = open(self.path, "w")
         self._file.writelines(kept)
         self._file.flush()
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
-            except ImportError:   # tensorboard is an optional extra
-                self._tb = None
+        if loggers is None:
+            if tensorboard:
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+                    self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+                except ImportError:   # tensorboard is an optional extra
+                    self._tb = None
+            return
+        from .tracking_backends import BACKENDS
+        abs_dir = os.path.abspath(run_dir)
+        project = project or os.path.basename(os.path.dirname(abs_dir)) or "periodic-async"
+        experiment = experiment or os.path.basename(abs_dir)
+        uri = mlflow_tracking_uri or "file://" + os.path.join(abs_dir, "mlruns")
+        try:
+            for name in loggers:
+                if name in BACKENDS:
+                    self._backends.append(BACKENDS[name](run_dir, project, experiment, config or {},
+                                                         mode=wandb_mode, tracking_uri=uri))
+        except BaseException:
+            self.close()      # the backends already started (a wandb service process) end too
+            raise
 
     def log(self, step: int, metrics: dict) -> Optional[str]:
         """Write the record; returns the console line (the caller prints it beside its progress bar)."""
@@ -63,19 +86,25 @@ class MetricsLogger:
             return None
         record = {"step": step, **{k: (v if isinstance(v, (int, float)) and math.isfinite(v) else str(v))
                                    for k, v in metrics.items()}}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        if self._jsonl:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
         if self._tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)):
-                    self._tb.add_scalar(k, v, step)
-        return format_console(step, metrics)
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+        for backend in self._backends:
+            backend.log(step, scalars)
+        return format_console(step, metrics) if self._console else None
 
     def close(self) -> None:
         if self.enabled:
             self._file.close()
             if self._tb is not None:
                 self._tb.close()
+            backends, self._backends = self._backends, []
+            for backend in backends:
+                backend.close()
 
 
 def read_metrics(run_dir: str) -> list[dict]:

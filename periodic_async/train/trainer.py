@@ -21,6 +21,7 @@ group to the other ranks (train/feed.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -83,7 +84,11 @@ class Trainer:
         meta = self._resume()
         self._start_rollout(worker_placements, meta)    # rank 0: self.planner, self.producer, self.reward
         self.metrics = MetricsLogger(cfg.trainer.run_dir, cfg.trainer.tensorboard, enabled=self.rank == 0,
-                                     resume_after_step=self.start_step if meta is not None else None)
+                                     resume_after_step=self.start_step if meta is not None else None,
+                                     loggers=cfg.trainer.logger, project=cfg.trainer.project_name,
+                                     experiment=cfg.trainer.experiment_name, config=dataclasses.asdict(cfg),
+                                     wandb_mode=cfg.trainer.wandb_mode,
+                                     mlflow_tracking_uri=cfg.trainer.mlflow_tracking_uri)
         self.sample_trace = (SampleTrace(cfg.trainer.run_dir, self.start_step)
                              if cfg.trainer.record_samples and self.rank == 0 else None)
         self.validator = self._build_validator()

@@ -1,0 +1,78 @@
+"""Experiment-tracking backends for trainer.logger, by name (verl's `trainer.logger` list).
+
+console and jsonl are handled by MetricsLogger itself (the console line is returned to the
+caller, metrics.jsonl is the run's record); this registry holds the ones that write elsewhere.
+Each backend: __init__(run_dir, project, experiment, config: dict), log(step, scalars), close().
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+LOGGER_NAMES = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+# backend name -> the module it needs (and the extra that installs it)
+REQUIRED_MODULE = {"wandb": "wandb", "mlflow": "mlflow"}
+
+
+def missing_extra(name: str) -> bool:
+    module = REQUIRED_MODULE.get(name)
+    return module is not None and importlib.util.find_spec(module) is None
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """Nested config dict -> {'a.b.c': value} (wandb config / mlflow params are flat)."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+class TensorBoardBackend:
+    def __init__(self, run_dir, project, experiment, config, mode=None, tracking_uri=None):
+        from torch.utils.tensorboard import SummaryWriter
+        self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+
+    def log(self, step, scalars):
+        for k, v in scalars.items():
+            self._tb.add_scalar(k, v, step)
+
+    def close(self):
+        self._tb.close()
+
+
+class WandbBackend:
+    def __init__(self, run_dir, project, experiment, config, mode="offline", tracking_uri=None):
+        import wandb
+        self._run = wandb.init(project=project, name=experiment, dir=run_dir, mode=mode,
+                               config=flatten(config), reinit=True)
+
+    def log(self, step, scalars):
+        self._run.log(scalars, step=step)
+
+    def close(self):
+        self._run.finish()
+
+
+class MlflowBackend:
+    def __init__(self, run_dir, project, experiment, config, mode=None, tracking_uri=None):
+        from mlflow.tracking import MlflowClient
+        self._client = MlflowClient(tracking_uri)
+        exp = self._client.get_experiment_by_name(project)
+        exp_id = exp.experiment_id if exp is not None else self._client.create_experiment(project)
+        self.run_id = self._client.create_run(exp_id, run_name=experiment).info.run_id
+        for k, v in flatten(config).items():
+            self._client.log_param(self.run_id, k, str(v)[:500])   # mlflow caps a param value
+
+    def log(self, step, scalars):
+        for k, v in scalars.items():
+            self._client.log_metric(self.run_id, k, v, step=step)
+
+    def close(self):
+        self._client.set_terminated(self.run_id)
+
+
+BACKENDS = {"tensorboard": TensorBoardBackend, "wandb": WandbBackend, "mlflow": MlflowBackend}

@@ -1,0 +1,59 @@
+"""trainer.logger: the backend list, its validation, and that the default keeps today's files."""
+import importlib.util
+import os
+
+import pytest
+
+from periodic_async.config.sections import Config
+from periodic_async.config.validation import _validate_logger
+from periodic_async.errors import ConfigError
+from periodic_async.telemetry.logger import MetricsLogger, read_metrics
+from periodic_async.telemetry.tracking_backends import flatten
+
+HAS_TB = importlib.util.find_spec("tensorboard") is not None
+
+
+def test_default_logger_list_writes_todays_files(tmp_path):
+    log = MetricsLogger(str(tmp_path), tensorboard=True)
+    line = log.log(3, {"actor/pg_loss": 0.5, "note": "x"})
+    log.close()
+    assert line == "step    3 | pg +0.5000"
+    assert read_metrics(str(tmp_path)) == [{"step": 3, "actor/pg_loss": 0.5, "note": "x"}]
+    expected = {"metrics.jsonl"} | ({"tensorboard"} if HAS_TB else set())
+    assert set(os.listdir(tmp_path)) == expected
+
+
+def test_explicit_list_without_console_or_tensorboard(tmp_path):
+    log = MetricsLogger(str(tmp_path), tensorboard=True, loggers=["jsonl"])
+    assert log.log(1, {"actor/pg_loss": 0.25}) is None          # no console line
+    log.close()
+    assert set(os.listdir(tmp_path)) == {"metrics.jsonl"}
+    assert read_metrics(str(tmp_path)) == [{"step": 1, "actor/pg_loss": 0.25}]
+
+
+def test_unknown_logger_name_is_refused_with_the_key():
+    t = Config().trainer
+    t.logger = ["console", "neptune"]
+    with pytest.raises(ConfigError, match=r"^trainer\.logger: unknown logger 'neptune'; allowed: console, jsonl"):
+        _validate_logger(t)
+
+
+@pytest.mark.parametrize("name", ["wandb", "mlflow"])
+def test_missing_extra_names_the_pip_extra(name):
+    if importlib.util.find_spec(name) is not None:
+        pytest.skip(f"{name} is installed here")
+    t = Config().trainer
+    t.logger = ["console", name]
+    with pytest.raises(ConfigError, match=rf"pip install periodic-async\[{name}\]"):
+        _validate_logger(t)
+
+
+def test_tensorboard_contradiction_names_the_key():
+    t = Config().trainer
+    t.logger, t.tensorboard = ["tensorboard"], False
+    with pytest.raises(ConfigError, match=r"^trainer\.tensorboard:"):
+        _validate_logger(t)
+
+
+def test_flatten_nested_config():
+    assert flatten({"a": {"b": 1, "c": {"d": "x"}}, "e": [1, 2]}) == {"a.b": 1, "a.c.d": "x", "e": [1, 2]}
