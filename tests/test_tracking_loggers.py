@@ -57,3 +57,9 @@ def test_tensorboard_contradiction_names_the_key():
 
 def test_flatten_nested_config():
     assert flatten({"a": {"b": 1, "c": {"d": "x"}}, "e": [1, 2]}) == {"a.b": 1, "a.c.d": "x", "e": [1, 2]}
+
+
+def test_logger_key_loads_from_a_config_dict():
+    from periodic_async.config.loading import config_from_dict
+    assert config_from_dict({"trainer": {"logger": ["console", "jsonl"]}}).trainer.logger == ("console", "jsonl")
+    assert config_from_dict({}).trainer.logger is None

@@ -304,7 +304,7 @@ class TrainerConfig:
     tensorboard: bool = True    # written when the tensorboard package is installed
     # Tracking backends (telemetry/tracking_backends.py), any of console, jsonl, tensorboard, wandb,
     # mlflow; null: today's set (console + jsonl + tensorboard when trainer.tensorboard and installed).
-    logger: Optional[list] = None
+    logger: Optional[tuple[str, ...]] = None
     project_name: Optional[str] = None     # wandb project / mlflow experiment; null: run_dir's parent name
     experiment_name: Optional[str] = None  # wandb / mlflow run name; null: run_dir's base name
     wandb_mode: str = "offline"            # offline (sync later with `wandb sync`) | online | disabled
