@@ -63,3 +63,23 @@ def test_logger_key_loads_from_a_config_dict():
     from periodic_async.config.loading import config_from_dict
     assert config_from_dict({"trainer": {"logger": ["console", "jsonl"]}}).trainer.logger == ("console", "jsonl")
     assert config_from_dict({}).trainer.logger is None
+
+
+def test_wandb_offline_run_holds_the_jsonl_metrics_and_the_config(tmp_path):
+    # importorskip: run.sh does not install the wandb extra into the test venv yet.
+    pytest.importorskip("wandb")
+    import glob
+    import json
+    from wandb_records import history_and_config
+    log = MetricsLogger(str(tmp_path / "proj" / "exp1"), loggers=["jsonl", "wandb"],
+                        config={"actor": {"lr": 0.001}}, wandb_mode="offline")
+    log.log(1, {"actor/pg_loss": 0.5, "note": "x"})
+    log.log(2, {"actor/pg_loss": 0.25})
+    log.close()
+    run_dir = tmp_path / "proj" / "exp1"
+    [path] = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    history, config = history_and_config(path)
+    jsonl = read_metrics(str(run_dir))
+    assert [(int(h["_step"]), float(h["actor/pg_loss"])) for h in history] == \
+        [(r["step"], r["actor/pg_loss"]) for r in jsonl] == [(1, 0.5), (2, 0.25)]
+    assert json.loads(config["actor.lr"]) == 0.001
