@@ -120,7 +120,6 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
     if cfg.data.val_path and cfg.data.source not in ("jsonl", "parquet"):
         raise ConfigError(f"data.val_path: read in data.source's format, which must be jsonl or parquet "
                           f"(got '{cfg.data.source}'); use data.val_size to hold out part of it")
-    _validate_logger(cfg.trainer)
     if cfg.trainer.save_every < 0:
         raise ConfigError(f"trainer.save_every: must be >= 0 (0: no checkpoints), got {cfg.trainer.save_every}")
     if not 0 < cfg.rollout.gpu_memory_utilization <= 1:
@@ -406,19 +405,3 @@ def _check_async(cfg) -> None:
             raise ConfigError(f"trainer.max_staleness: {eta} needs trainer.mode async (mode "
                               f"'{cfg.trainer.mode}' is strictly on-policy)")
         return
-
-
-def _validate_logger(t) -> None:
-    """trainer.logger: known names, the extras they need installed, no clash with trainer.tensorboard."""
-    from ..telemetry.tracking_backends import LOGGER_NAMES, missing_extra
-    if t.logger is None:
-        return
-    for name in t.logger:
-        if name not in LOGGER_NAMES:
-            raise ConfigError(f"trainer.logger: unknown logger '{name}'; allowed: {', '.join(LOGGER_NAMES)}")
-        if missing_extra(name):
-            raise ConfigError(f"trainer.logger: '{name}' is not installed; pip install periodic-async[{name}]")
-    if "tensorboard" in t.logger and not t.tensorboard:
-        raise ConfigError("trainer.tensorboard: false contradicts 'tensorboard' in trainer.logger")
-    if t.wandb_mode not in ("offline", "online", "disabled"):
-        raise ConfigError(f"trainer.wandb_mode: expected offline | online | disabled, got '{t.wandb_mode}'")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from ..errors import ConfigError
+
 LOGGER_NAMES = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 # backend name -> the module it needs (and the extra that installs it)
 REQUIRED_MODULE = {"wandb": "wandb", "mlflow": "mlflow"}
@@ -76,3 +78,20 @@ class MlflowBackend:
 
 
 BACKENDS = {"tensorboard": TensorBoardBackend, "wandb": WandbBackend, "mlflow": MlflowBackend}
+
+
+def check_loggers(t) -> None:
+    """trainer.logger (checked by the Trainer: config/ is below this layer): known names, the extras they need installed, no clash with trainer.tensorboard."""
+    if t.logger is None:
+        return
+    for name in t.logger:
+        if name not in LOGGER_NAMES:
+            raise ConfigError(f"trainer.logger: unknown logger '{name}'; allowed: {', '.join(LOGGER_NAMES)}")
+        if missing_extra(name):
+            how = "pip install periodic-async[wandb]" if name == "wandb" else \
+                "pip install mlflow-skinny (not pinned here: mlflow 3 needs cachetools < 8, the pins hold 8.0.2; untested)"
+            raise ConfigError(f"trainer.logger: '{name}' is not installed; {how}")
+    if "tensorboard" in t.logger and not t.tensorboard:
+        raise ConfigError("trainer.tensorboard: false contradicts 'tensorboard' in trainer.logger")
+    if t.wandb_mode not in ("offline", "online", "disabled"):
+        raise ConfigError(f"trainer.wandb_mode: expected offline | online | disabled, got '{t.wandb_mode}'")

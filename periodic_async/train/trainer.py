@@ -109,6 +109,8 @@ class Trainer:
                      num_kv_heads=arch.num_kv_heads, vocab_size=arch.vocab_size, num_layers=arch.num_layers)
         from ..scheduling.group_sizing import check_group_sizing
         from ..scheduling.selection import check_selection
+        from ..telemetry.tracking_backends import check_loggers
+        check_loggers(cfg.trainer)
         check_group_sizing(cfg.rollout.group_sizing)    # registry names: checked in the layer of the registries
         check_selection(cfg.rollout.selection)
         return arch
