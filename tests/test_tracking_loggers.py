@@ -83,3 +83,24 @@ def test_wandb_offline_run_holds_the_jsonl_metrics_and_the_config(tmp_path):
     assert [(int(h["_step"]), float(h["actor/pg_loss"])) for h in history] == \
         [(r["step"], r["actor/pg_loss"]) for r in jsonl] == [(1, 0.5), (2, 0.25)]
     assert json.loads(config["actor.lr"]) == 0.001
+
+
+def test_a_training_run_with_wandb_logs_every_step_and_leaves_no_process(tmp_path):
+    """Through the Trainer (sync, 2 steps): the offline run holds each step's critic/score/mean as
+    metrics.jsonl has it and the resolved config; no wandb process outlives the run."""
+    import glob
+    import subprocess
+    from wandb_records import history_and_config
+    from periodic_async.config import load_config
+    from periodic_async.train.trainer import Trainer
+    run_dir = tmp_path / "run"
+    Trainer(load_config("configs/default.yaml", [
+        f"trainer.run_dir={run_dir}", "trainer.mode=sync", "trainer.total_steps=2", "trainer.progress_bar=false",
+        "trainer.save_final=false", "trainer.logger=[console, jsonl, wandb]"])).fit()
+    [path] = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    history, config = history_and_config(path)
+    jsonl = read_metrics(str(run_dir))
+    assert [float(h["critic/score/mean"]) for h in history] == [r["critic/score/mean"] for r in jsonl]
+    assert len(jsonl) == 2 and "actor.lr" in config
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(run_dir) not in ps
