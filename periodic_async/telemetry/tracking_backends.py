@@ -56,7 +56,12 @@ class WandbBackend:
         self._run.log(scalars, step=step)
 
     def close(self):
+        import wandb
         self._run.finish()
+        # finish() returns before wandb-core has written the run file; teardown waits for the
+        # service to flush and exit (the next init starts a new one), so the run is complete on
+        # disk and no wandb process outlives the trainer
+        wandb.teardown()
 
 
 class MlflowBackend:
