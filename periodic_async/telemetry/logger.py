@@ -39,7 +39,6 @@ class MetricsLogger:
         checkpoint's) and drops later ones, which the resumed run writes again."""
         self.enabled = enabled
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        self._tb = None
         self._backends = []
         self._console = loggers is None or "console" in loggers
         self._jsonl = loggers is None or "jsonl" in loggers
@@ -58,15 +57,14 @@ class MetricsLogger:
         self._file = open(self.path, "w")
         self._file.writelines(kept)
         self._file.flush()
+        from .tracking_backends import BACKENDS
         if loggers is None:
             if tensorboard:
                 try:
-                    from torch.utils.tensorboard import SummaryWriter
-                    self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+                    self._backends.append(BACKENDS["tensorboard"](run_dir, None, None, {}))
                 except ImportError:   # tensorboard is an optional extra
-                    self._tb = None
+                    pass
             return
-        from .tracking_backends import BACKENDS
         abs_dir = os.path.abspath(run_dir)
         project = project or os.path.basename(os.path.dirname(abs_dir)) or "periodic-async"
         experiment = experiment or os.path.basename(abs_dir)
@@ -90,9 +88,6 @@ class MetricsLogger:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
         scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
-        if self._tb is not None:
-            for k, v in scalars.items():
-                self._tb.add_scalar(k, v, step)
         for backend in self._backends:
             backend.log(step, scalars)
         return format_console(step, metrics) if self._console else None
@@ -100,8 +95,6 @@ class MetricsLogger:
     def close(self) -> None:
         if self.enabled:
             self._file.close()
-            if self._tb is not None:
-                self._tb.close()
             backends, self._backends = self._backends, []
             for backend in backends:
                 backend.close()
