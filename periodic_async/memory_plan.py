@@ -46,8 +46,8 @@ HELD, MICRO_STEP, OPT_STEP, EXPORT, PREFILL = "", "micro-step", "optimizer step"
 
 _TP_PP_HINT = ("raise parallel.tensor_model_parallel_size or parallel.pipeline_model_parallel_size "
                "(model state is divided by TP x PP)")
-_ACT_HINT = ("lower actor.micro_batch_size (or data.max_prompt_length / rollout.max_new_tokens), or raise "
-             "parallel.tensor_model_parallel_size")
+_ACT_HINT = ("lower actor.micro_batch_size or actor.micro_batch_tokens (or data.max_prompt_length / "
+             "rollout.max_new_tokens), or raise parallel.tensor_model_parallel_size")
 
 
 @dataclass(frozen=True)
@@ -227,6 +227,11 @@ def micro_batch_tokens(cfg: Config) -> tuple[int, int, int]:
     configured maximum lengths. Shared-prompt packing computes each prompt once: a micro-batch of B
     responses spans ceil(B/K) groups (one more when its boundary cuts groups)."""
     b, p, r = cfg.actor.micro_batch_size, cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
+    budget = cfg.actor.micro_batch_tokens
+    if budget is not None:
+        # a token budget bounds the padded tensor itself; the attention term rows x S^2 is largest
+        # with the widest rows: budget // S sequences of S = prompt + response tokens
+        return (budget, 0, budget) if cfg.actor.shared_prompt else (budget, budget // (p + r), budget)
     if not cfg.actor.shared_prompt:
         return b * (p + r), b, b * (p + r)
 
@@ -234,6 +239,19 @@ def micro_batch_tokens(cfg: Config) -> tuple[int, int, int]:
         return math.ceil(b / k) if (b % k == 0 or k % b == 0) else min(b, math.ceil(b / k) + 1)
     most = max(groups(k) for k in group_sizes(cfg))      # the smallest K puts the most prompts in
     return most * p + b * r, 0, b * r
+
+
+def num_micro_steps(cfg: Config, dp: int) -> int:
+    """Epoch-1 micro-steps of one DP rank at the largest K: every micro_batch_size sequences, or
+    under a token budget the count its schedule is started with (dp_assignment's bound)."""
+    k = max(group_sizes(cfg))
+    seqs = math.ceil(cfg.data.train_batch_size * k / dp)
+    if cfg.actor.micro_batch_tokens is None:
+        return math.ceil(seqs / cfg.actor.micro_batch_size)
+    p, r = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
+    if cfg.actor.shared_prompt:     # atoms: groups
+        return math.ceil(math.ceil(cfg.data.train_batch_size / dp) / max(1, cfg.actor.micro_batch_tokens // (p + k * r)))
+    return math.ceil(seqs / max(1, cfg.actor.micro_batch_tokens // (p + r)))
 
 
 def _trainer_items(arch: "ModelArch", cfg: Config, stage: int, dp: int) -> list[Item]:
@@ -259,7 +277,7 @@ def _trainer_items(arch: "ModelArch", cfg: Config, stage: int, dp: int) -> list[
     h, ffn = arch.hidden_size, arch.ffn_hidden_size
     qd, kvd = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     tokens, seqs, loss_rows = micro_batch_tokens(cfg)
-    n_micro = math.ceil(cfg.data.train_batch_size * max(group_sizes(cfg)) / dp / a.micro_batch_size)
+    n_micro = num_micro_steps(cfg, dp)
     in_flight = min(pp - stage, n_micro)      # 1F1B: stage s holds pp - s micro-batches' activations
     layers = arch.num_layers // pp
     # kept for backward per token and layer (Korthikanti et al. 2022, no recompute, no sequence
@@ -270,8 +288,11 @@ def _trainer_items(arch: "ModelArch", cfg: Config, stage: int, dp: int) -> list[
     qkv = 3 * qd if seqs else qd + 2 * kvd
     per_token = 4 * h + (qkv + qd + 4 * ffn) // tp
     act = tokens * e * (per_token * layers + (2 * h if stage == pp - 1 else 0)) * in_flight
-    lengths = f"{a.micro_batch_size} x {cfg.data.max_prompt_length}+{cfg.rollout.max_new_tokens} tokens" + (
-        ", shared prompt" if a.shared_prompt else "")
+    if a.micro_batch_tokens is not None:
+        lengths = f"actor.micro_batch_tokens {a.micro_batch_tokens} tokens" + (", shared prompt" if a.shared_prompt else "")
+    else:
+        lengths = f"{a.micro_batch_size} x {cfg.data.max_prompt_length}+{cfg.rollout.max_new_tokens} tokens" + (
+            ", shared prompt" if a.shared_prompt else "")
     items.append(Item("activations", f"activations ({lengths}, {layers} layers"
                       + (f", {in_flight} micro-batches in flight" if in_flight > 1 else "") + ")",
                       act, estimate=True, phase=MICRO_STEP, hint=_ACT_HINT))
@@ -419,7 +440,9 @@ def plan_memory(cfg: Config, arch: "ModelArch", device_memory: Optional[int] = N
                  if workers + remote else "")
               + (f"; {local + workers * rollout_tp} {dev} devices on this node ({local} trainer + {workers} x "
                  f"{rollout_tp} rollout)" if on_accel and workers else ""),
-              f"lengths: micro-batch {cfg.actor.micro_batch_size} sequences of {cfg.data.max_prompt_length} prompt + "
+              (f"lengths: micro-batch {cfg.actor.micro_batch_size} sequences" if cfg.actor.micro_batch_tokens is None
+               else f"lengths: micro-batch of at most {cfg.actor.micro_batch_tokens} tokens (actor.micro_batch_tokens)")
+              + f" of {cfg.data.max_prompt_length} prompt + "
               f"{cfg.rollout.max_new_tokens} new tokens; rollout.max_slots {cfg.rollout.max_slots}"]
     notes = []
     if device_memory is None:

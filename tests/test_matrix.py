@@ -5,7 +5,8 @@ losses and parameters; an async cell with eta 2 keeps its staleness bound (with 
 too: the selection rule's steps overlap). No cell is refused.
 
 Plug-ins: group sizing fixed | sagc, selection none | pilot | backfill, and the shared-prompt
-attention on for the plain cells. Runs are tiny (3 steps of 8 prompts, the long_tail task, whose
+attention on for the plain cells (with sagc under a token budget: actor.micro_batch_tokens packs
+whole groups of varying K). Runs are tiny (3 steps of 8 prompts, the long_tail task, whose
 partial-credit rewards make pilots of every verdict and equal-reward groups for backfill).
 """
 import sys
@@ -37,7 +38,9 @@ PLUGINS = {
     "sagc-pilot": SWITCHES["pilot"] + SAGC + ["rollout.sagc.candidates=[3, 4]", "rollout.pilot.num_candidates=10"],
     "sagc-backfill": SWITCHES["backfill"] + SAGC + ["rollout.sagc.candidates=[2, 4]"],   # starts at n = 2
     "fixed-none-shared": ["actor.shared_prompt=true"],
-    "sagc-none-shared": SAGC + ["rollout.sagc.candidates=[2, 4]", "actor.shared_prompt=true"],
+    # a group is at most 48 + 4 x 8 = 80 tokens: 2 per micro-batch at the most
+    "sagc-none-shared": SAGC + ["rollout.sagc.candidates=[2, 4]", "actor.shared_prompt=true",
+                                "actor.micro_batch_tokens=170"],
 }
 CELLS = [(m, p) for m in MODES if m != "sync" for p in PLUGINS]
 
@@ -174,7 +177,7 @@ def test_an_unknown_selection_rule_is_refused_naming_the_key(tmp_path):
 # One cell of each mode with two trainer ranks (periodic's is in test_tri_model.py): the same
 # decisions as single-process sync with the same plug-ins, and its losses up to DP's summation order.
 DP2_CELLS = [("sync", "sagc-none"), ("sync_split", "fixed-backfill"), ("async0", "fixed-pilot"),
-             ("async2", "sagc-none")]
+             ("async2", "sagc-none"), ("periodic", "sagc-none-shared")]
 
 
 @pytest.mark.parametrize("mode, plugin", DP2_CELLS, ids=[f"{m}-{p}" for m, p in DP2_CELLS])

@@ -233,6 +233,11 @@ class ActorConfig:
     kl_type: str = "low_var_kl"  # low_var_kl (k3) | kl (k1) | mse (k2)
     entropy_coef: float = 0.0
     micro_batch_size: int = 32   # sequences per forward/backward micro-step
+    # Or a token budget (verl's use_dynamic_bsz + ppo_max_token_len_per_gpu): a micro-batch takes
+    # sequences (whole groups with shared_prompt) in completion order while its padded tensor,
+    # rows x longest row, stays within this many tokens; micro_batch_size is then unused. null: off.
+    # Must hold one sequence (group) at data.max_prompt_length + rollout.max_new_tokens (docs/micro-batches.md).
+    micro_batch_tokens: Optional[int] = None
     # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm (token sums over sequences x
     # loss_scale_factor: Dr. GRPO's constant normaliser; null: rollout.max_new_tokens)
     loss_agg_mode: str = "token-mean"

@@ -78,17 +78,22 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
     _choice("algo.adv_estimator", cfg.algo.adv_estimator, tuple(sorted(ADV_ESTIMATORS)))
     if getattr(ADV_ESTIMATORS[cfg.algo.adv_estimator], "uses_importance_ratios", False):
         # applied in the loss (the proximal policy's log-probs are there), one micro-batch per whole groups
-        if cfg.rollout.group_sizing != "fixed" or cfg.actor.micro_batch_size % cfg.rollout.n:
+        # (a token budget packs whole groups whatever their K)
+        if cfg.actor.micro_batch_tokens is None and (cfg.rollout.group_sizing != "fixed"
+                                                     or cfg.actor.micro_batch_size % cfg.rollout.n):
             raise ConfigError(f"algo.adv_estimator: '{cfg.algo.adv_estimator}' re-centres each group's rewards in "
                               "the loss, so a micro-batch must hold whole groups: actor.micro_batch_size "
                               f"({cfg.actor.micro_batch_size}) must be a multiple of rollout.n ({cfg.rollout.n}), "
-                              f"with rollout.group_sizing fixed (got '{cfg.rollout.group_sizing}')")
+                              f"with rollout.group_sizing fixed (got '{cfg.rollout.group_sizing}'), or set "
+                              "actor.micro_batch_tokens")
     if not cfg.algo.adv_eps > 0:
         raise ConfigError(f"algo.adv_eps: must be > 0, got {cfg.algo.adv_eps}")
     _choice("actor.policy_loss", cfg.actor.policy_loss, tuple(sorted(POLICY_LOSSES)))
     check_off_policy_keys(cfg.actor, POLICY_LOSSES)
     check_rollout_correction(cfg.actor)
     check_clip_keys(cfg.actor)
+    check_micro_batch_tokens(cfg, whole_groups=getattr(ADV_ESTIMATORS[cfg.algo.adv_estimator],
+                                                       "uses_importance_ratios", False))
     check_overlong_buffer(cfg)
     _choice("actor.kl_type", cfg.actor.kl_type, ("low_var_kl", "kl", "mse"))
     _choice("actor.loss_agg_mode", cfg.actor.loss_agg_mode, ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
@@ -405,3 +410,26 @@ def _check_async(cfg) -> None:
             raise ConfigError(f"trainer.max_staleness: {eta} needs trainer.mode async (mode "
                               f"'{cfg.trainer.mode}' is strictly on-policy)")
         return
+
+
+def check_micro_batch_tokens(cfg, whole_groups: bool) -> None:
+    """actor.micro_batch_tokens: null, or a budget that holds one atom at its maximum length (a
+    sequence, or a whole group with shared_prompt / an estimator needing whole groups), as
+    dp_assignment.atoms_per_micro_batch needs."""
+    budget = cfg.actor.micro_batch_tokens
+    if budget is None:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+        raise ConfigError(f"actor.micro_batch_tokens: must be a positive integer (tokens) or null, got {budget!r}")
+    k = max([cfg.rollout.n, *cfg.rollout.sagc.candidates]) if cfg.rollout.group_sizing == "sagc" else cfg.rollout.n
+    p, m = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
+    if cfg.actor.shared_prompt:
+        need, what = p + k * m, f"one shared-prompt group: data.max_prompt_length {p} + {k} x rollout.max_new_tokens {m}"
+    elif whole_groups:
+        need, what = k * (p + m), (f"one whole group (algo.adv_estimator {cfg.algo.adv_estimator}): {k} x "
+                                   f"(data.max_prompt_length {p} + rollout.max_new_tokens {m})")
+    else:
+        need, what = p + m, f"one sequence: data.max_prompt_length {p} + rollout.max_new_tokens {m}"
+    if budget < need:
+        raise ConfigError(f"actor.micro_batch_tokens: {budget} cannot hold {what} = {need} tokens; raise it to "
+                          f"at least {need}")

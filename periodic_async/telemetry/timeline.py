@@ -25,7 +25,7 @@ import json
 import threading
 import time
 
-from ..scheduling.dp_assignment import assign_groups, cut_micro_batches
+from ..scheduling.dp_assignment import TokenBudget, assign_groups, cut_by_tokens, cut_micro_batches
 
 
 class Timeline:
@@ -57,8 +57,9 @@ class Timeline:
         """results: the batch's RolloutResults; train_intervals: (start, end) of rank 0's epoch-1
         micro-steps; sync_interval: the weight sync's; step_interval: the step's (timing_s/step);
         groups: the batch's groups in completion order, to give each micro-step its samples
-        (rank 0's share, packed `micro_batch_size` at a time as train/step.py does); train_end:
-        when the batch's training (optimizer step included) ended; info: the step event's fields."""
+        (rank 0's share, packed `micro_batch_size` (an int, or a TokenBudget) at a time as
+        train/step.py does); train_end: when the batch's training (optimizer step included) ended;
+        info: the step event's fields."""
         for r in results:
             w = r.timings.get("worker", 0)
             self.events.append({"step": step, "kind": "generate", "lane": f"worker{w}/slot{r.timings['slot']}",
@@ -96,10 +97,13 @@ class Timeline:
                 f.write(json.dumps(event) + "\n")
 
 
-def _micro_batches(groups, micro_batch_size: int, dp_size: int) -> list[list[tuple[int, int, int]]]:
+def _micro_batches(groups, micro_batch_size: "int | TokenBudget", dp_size: int) -> list[list[tuple[int, int, int]]]:
     """DP rank 0's micro-batches as (group, prompt tokens, response tokens) per sample: its groups
-    in completion order, split by the trainer's rule (scheduling/dp_assignment.py)."""
+    in completion order, split by the trainer's rule (scheduling/dp_assignment.py): every
+    `micro_batch_size` samples, or by its TokenBudget."""
     owner = assign_groups({g.group_index: g.size for g in groups}, dp_size)
     mine = ([(g.group_index, len(r.prompt_ids), len(r.response_ids)) for r in g.results]
             for g in groups if owner[g.group_index] == 0)
+    if isinstance(micro_batch_size, TokenBudget):
+        return list(cut_by_tokens(micro_batch_size.atoms(mine, lambda x: (x[1], x[2])), micro_batch_size.tokens))
     return list(cut_micro_batches(mine, micro_batch_size))

@@ -34,6 +34,7 @@ from ..config import Config, config_to_dict
 from ..models.mcore import arch_from_hf_dir
 from ..models.tiny import tiny_arch
 from ..rollout.base import SamplingParams
+from ..scheduling.dp_assignment import TokenBudget
 from ..scheduling.mode import Mode
 from ..scheduling.scorer import reward_fault_summary
 from ..telemetry import step_metrics
@@ -75,6 +76,7 @@ class Trainer:
         self.eos_id = self.tokenizer.eos_token_id
         self.staleness = self.mode.staleness
         self._importance_baseline = self._uses_importance_baseline()
+        self.token_budget = TokenBudget.of(cfg, whole_groups=self._importance_baseline)
         self.actor = self._build_actor()
         self.version = 0
         self.start_step = 0             # the last step done (a resumed run's checkpoint step)
@@ -350,7 +352,8 @@ class Trainer:
         feed = GroupFeed(sizes, groups, self.feed_group)
         batch = train_batch(self.actor, feed, cfg.actor, self.dp_rank, self.dp_size, self._check_group,
                             seat=self.core_seat, with_rewards=self._importance_baseline,
-                            loss_scale_factor=cfg.actor.loss_scale_factor or cfg.rollout.max_new_tokens)
+                            loss_scale_factor=cfg.actor.loss_scale_factor or cfg.rollout.max_new_tokens,
+                            budget=self.token_budget)
         t_batch_end = time.perf_counter()
         metrics = dict(batch.metrics)
         metrics["timing_s/update_actor"] = batch.train_s
@@ -380,7 +383,7 @@ class Trainer:
             if cfg.trainer.record_timeline:
                 self.timeline.record_step(
                     step, stats.results, batch.train_intervals, (t_sync, t_sync_end), (t_step, t_sync_end),
-                    trained, cfg.actor.micro_batch_size, self.dp_size, t_batch_end,
+                    trained, self.token_budget or cfg.actor.micro_batch_size, self.dp_size, t_batch_end,
                     {"mode": cfg.trainer.mode, "devices": self._num_devices(), "engines": self._num_engines(),
                      "world": self.world, "dp_size": self.dp_size, "micro_batch_size": cfg.actor.micro_batch_size,
                      "dispatch": stats.t_dispatch, "gen_end": stats.t_last_group})
