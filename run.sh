@@ -47,9 +47,9 @@ install_venv() {  # base install + the `test` extra, redone only when setup.py o
     echo "[run.sh] creating $VENV" >&2
     python3 -m venv "$VENV"
   fi
-  echo "[run.sh] installing periodic-async[test,wandb] into $VENV (torch 2.13.0 CPU wheel, pinned)" >&2
+  echo "[run.sh] installing periodic-async[test,wandb,mlflow] into $VENV (torch 2.13.0 CPU wheel, pinned)" >&2
   pip_install "torch==2.13.0"
-  pip_install -e ".[test,wandb]"
+  pip_install -e ".[test,wandb,mlflow]"
   echo "$want" > "$STAMP"
 }
 

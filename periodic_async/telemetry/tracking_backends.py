@@ -65,18 +65,33 @@ class WandbBackend:
 
 
 class MlflowBackend:
+    """An mlflow run (experiment `project`, run name `experiment`) in `tracking_uri` (MetricsLogger's
+    default: a file store in run_dir/mlruns): the flattened config as params, every scalar as a metric at its step.
+    One log_batch call per step (the file store writes a file per call)."""
+    _BATCH = 100     # mlflow's cap on params per log_batch (metrics: 1000)
+
     def __init__(self, run_dir, project, experiment, config, mode=None, tracking_uri=None):
+        if str(tracking_uri).startswith("file:"):
+            # mlflow 3 refuses its file store unless asked (maintenance mode, a database or a server
+            # preferred); it is the one store mlflow-skinny has offline (sqlite needs SQLAlchemy)
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         from mlflow.tracking import MlflowClient
+        from mlflow.entities import Param
         self._client = MlflowClient(tracking_uri)
         exp = self._client.get_experiment_by_name(project)
         exp_id = exp.experiment_id if exp is not None else self._client.create_experiment(project)
         self.run_id = self._client.create_run(exp_id, run_name=experiment).info.run_id
-        for k, v in flatten(config).items():
-            self._client.log_param(self.run_id, k, str(v)[:500])   # mlflow caps a param value
+        params = [Param(k, str(v)[:6000]) for k, v in flatten(config).items()]   # mlflow caps a value at 6000
+        for i in range(0, len(params), self._BATCH):
+            self._client.log_batch(self.run_id, params=params[i:i + self._BATCH])
 
     def log(self, step, scalars):
-        for k, v in scalars.items():
-            self._client.log_metric(self.run_id, k, v, step=step)
+        import time
+        from mlflow.entities import Metric
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, float(v), now, step) for k, v in scalars.items()]
+        for i in range(0, len(metrics), 1000):
+            self._client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 
     def close(self):
         self._client.set_terminated(self.run_id)
@@ -93,8 +108,7 @@ def check_loggers(t) -> None:
         if name not in LOGGER_NAMES:
             raise ConfigError(f"trainer.logger: unknown logger '{name}'; allowed: {', '.join(LOGGER_NAMES)}")
         if missing_extra(name):
-            how = "pip install periodic-async[wandb]" if name == "wandb" else \
-                "pip install mlflow-skinny (not pinned here: mlflow 3 needs cachetools < 8, the pins hold 8.0.2; untested)"
+            how = f"pip install periodic-async[{name}]"
             raise ConfigError(f"trainer.logger: '{name}' is not installed; {how}")
     if "tensorboard" in t.logger and not t.tensorboard:
         raise ConfigError("trainer.tensorboard: false contradicts 'tensorboard' in trainer.logger")
