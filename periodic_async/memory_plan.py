@@ -461,7 +461,8 @@ def resolve_arch(cfg: Config) -> tuple["ModelArch", str]:
     from .models.mcore import UnsupportedModel, arch_from_hf_dict, arch_from_hf_dir
     if cfg.model.path is None:
         from .models.tiny import tiny_arch
-        return tiny_arch(cfg.model.tiny), "the tiny model (model.path null)"
+        from .data.synthetic import tiny_alphabet
+        return tiny_arch(cfg.model.tiny, tiny_alphabet(cfg.data)), "the tiny model (model.path null)"
     if os.path.isdir(cfg.model.path):
         return arch_from_hf_dir(cfg.model.path), f"{cfg.model.path}/config.json"
     from .models.known import KNOWN_HF_CONFIGS, known_hf_config

@@ -22,7 +22,7 @@ if TYPE_CHECKING:   # sections.py imports this module (Config.validate)
     from .sections import Config
 
 # data.synthetic.task: the built-in tasks (data/synthetic.py implements them; it reads this list)
-SYNTHETIC_TASKS = ("next_digit", "copy_last", "sum_mod10", "long_tail")
+SYNTHETIC_TASKS = ("next_digit", "copy_last", "sum_mod10", "long_tail", "countdown")
 
 
 def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[int] = None,
@@ -38,10 +38,13 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
         _choice("data.synthetic.task", cfg.data.synthetic.task, SYNTHETIC_TASKS)
         _positive("data.synthetic.num_digits", cfg.data.synthetic.num_digits)
         _positive("data.synthetic.size", cfg.data.synthetic.size)
-        if cfg.data.synthetic.task == "long_tail":
+        if cfg.data.synthetic.task in ("long_tail", "countdown"):
             _positive("data.synthetic.long_tail_max", cfg.data.synthetic.long_tail_max)
             if not cfg.data.synthetic.long_tail_alpha >= 0:
                 raise ConfigError(f"data.synthetic.long_tail_alpha: must be >= 0, got {cfg.data.synthetic.long_tail_alpha}")
+        if cfg.data.synthetic.task == "countdown" and cfg.data.synthetic.long_tail_max > 26:
+            raise ConfigError(f"data.synthetic.long_tail_max: countdown answers are at most 26 letters long, got "
+                              f"{cfg.data.synthetic.long_tail_max}")
     _choice("data.chat_template", cfg.data.chat_template, ("auto", "none"))
     _choice("data.overlong_prompt", cfg.data.overlong_prompt, ("error", "skip", "truncate_left"))
     check_prompt_template(cfg.data.prompt_template)
@@ -103,7 +106,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
     if cfg.actor.policy_loss == "gspo" and cfg.actor.loss_agg_mode != "seq-mean-token-mean":
         raise ConfigError(f"actor.loss_agg_mode: actor.policy_loss 'gspo' averages per sequence (the paper's "
                           f"objective); set actor.loss_agg_mode=seq-mean-token-mean, got '{cfg.actor.loss_agg_mode}'")
-    _choice("reward.name", cfg.reward.name, ("synthetic", "gsm8k", "custom"))
+    _choice("reward.name", cfg.reward.name, ("synthetic", "exact", "gsm8k", "custom"))
     _choice("trainer.mode", cfg.trainer.mode, ("periodic", "sync", "sync_split", "async"))
     _check_async(cfg)
     _choice("actor.frozen_dtype", cfg.actor.frozen_dtype, ("same", "bfloat16"))

@@ -15,6 +15,15 @@ simple function of ONE visible prompt token:
   digits means comparing two counts, which is easy for n = 1, 2 and hard for n = 30, so per-prompt
   success rates spread out and a policy that has not learnt to stop runs long. num_digits is not
   used; prompts are n + 3 characters long, so data.max_prompt_length must be >= long_tail_max + 3.
+- countdown:  prompt "c-g=" -> answer "gfedc" (the alphabet backwards from the letter before "="
+  down to the first one). The answer length n = first - second + 1 is drawn from the same truncated power law
+  (long_tail_max <= 26), so lengths are long-tailed and set by the prompt; every step is one local
+  rule (the first letter is the one before "=", as in copy_last; then the previous letter minus one)
+  and the stop is one comparison with the prompt's first letter,
+  and the rules of short answers are the ends of the long ones, so short prompts are solved first
+  and teach the long ones: difficulty grows with n. For the allocation and group-sizing
+  benchmarks, with the binary reward `reward.name: exact` (configs/countdown.yaml). Its letters
+  extend the tiny model's alphabet (`tiny_alphabet`).
 
 Rewards (reward/synthetic.py) give partial credit for a digit, so the format is
 learnt first and the mapping after it (long_tail: also for the share of the answer matched).
@@ -25,15 +34,28 @@ import numpy as np
 
 from ..config import SyntheticTaskConfig
 from ..config.validation import SYNTHETIC_TASKS
+from ..models.tokenizer import DEFAULT_ALPHABET
 from .records import PromptRecord
 
 TASKS = SYNTHETIC_TASKS     # the names data.synthetic.task accepts; each is implemented below
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def tiny_alphabet(data_cfg) -> str:
+    """The tiny model's tokenizer alphabet for this data: the default one, plus the letters for
+    the countdown task (the other tasks keep today's vocabulary, hence today's models)."""
+    if data_cfg.source == "synthetic" and data_cfg.synthetic.task == "countdown":
+        return DEFAULT_ALPHABET + LETTERS
+    return DEFAULT_ALPHABET
 
 
 def answer_for(task: str, digits: str) -> str:
     """The answer to the prompt `digits` + "=" (long_tail: `digits` is the prompt body, "***:7")."""
     if task == "long_tail":
         return digits[-1] * digits.count("*")
+    if task == "countdown":          # "c-g": from g (just before "=") down to c
+        last, first = LETTERS.index(digits[0]), LETTERS.index(digits[-1])
+        return "".join(LETTERS[i] for i in range(first, last - 1, -1))
     if task == "next_digit":
         return str((int(digits[-1]) + 1) % 10)
     if task == "copy_last":
@@ -65,6 +87,18 @@ def _long_tail_records(cfg: SyntheticTaskConfig, seed: int) -> list[PromptRecord
     return records
 
 
+def _countdown_records(cfg: SyntheticTaskConfig, seed: int) -> list[PromptRecord]:
+    lengths, probs = long_tail_length_pmf(cfg.long_tail_max, cfg.long_tail_alpha)
+    rng = np.random.default_rng(seed)
+    counts = rng.choice(lengths, size=cfg.size, p=probs)
+    records = []
+    for i, n in enumerate(counts):
+        last = int(rng.integers(0, len(LETTERS) - int(n) + 1))
+        body = f"{LETTERS[last]}-{LETTERS[last + int(n) - 1]}"
+        records.append(PromptRecord(prompt=body + "=", answer=answer_for("countdown", body), index=i))
+    return records
+
+
 def make_records(cfg: SyntheticTaskConfig, seed: int):
     """`cfg.size` prompts of `cfg.num_digits` random digits each (long_tail: one digit and its
     star count), deterministic in `seed`."""
@@ -74,6 +108,8 @@ def make_records(cfg: SyntheticTaskConfig, seed: int):
         raise ValueError("data.synthetic: num_digits and size must be >= 1")
     if cfg.task == "long_tail":
         return _long_tail_records(cfg, seed)
+    if cfg.task == "countdown":
+        return _countdown_records(cfg, seed)
     rng = np.random.default_rng(seed)
     digits = rng.integers(0, 10, size=(cfg.size, cfg.num_digits))
     records = []

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from .tokenizer import build_char_tokenizer, mark_char_tokenizer
+from .tokenizer import DEFAULT_ALPHABET, build_char_tokenizer, mark_char_tokenizer
 
 
 class TinyShape(Protocol):
@@ -50,10 +50,11 @@ def tiny_hf_config(cfg: TinyShape, vocab_size: int, eos_id: int, pad_id: int):
         eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None, architectures=["Qwen2ForCausalLM"])
 
 
-def make_tiny_model_dir(cfg: TinyShape, out_dir: str, seed: int) -> str:
-    """Write config.json, model.safetensors and the tokenizer to `out_dir` (random init, seeded)."""
+def make_tiny_model_dir(cfg: TinyShape, out_dir: str, seed: int, alphabet: str = DEFAULT_ALPHABET) -> str:
+    """Write config.json, model.safetensors and the tokenizer (of `alphabet`) to `out_dir` (random
+    init, seeded)."""
     from transformers import Qwen2ForCausalLM
-    tok = build_char_tokenizer()
+    tok = build_char_tokenizer(alphabet)
     hf_cfg = tiny_hf_config(cfg, len(tok), tok.eos_token_id, tok.pad_token_id)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -81,9 +82,9 @@ def make_random_model_dir(out_dir: str, hidden: int, layers: int, heads: int, kv
     return out_dir
 
 
-def tiny_arch(cfg: TinyShape):
+def tiny_arch(cfg: TinyShape, alphabet: str = DEFAULT_ALPHABET):
     """The ModelArch the tiny model will have, known before its directory is written."""
     from .mcore import arch_from_hf_dict
-    tok = build_char_tokenizer()
+    tok = build_char_tokenizer(alphabet)
     return arch_from_hf_dict(tiny_hf_config(cfg, len(tok), tok.eos_token_id, tok.pad_token_id).to_dict(),
                              source="model.tiny")

@@ -47,6 +47,7 @@ RewardFnRef = tuple[str, str]  # (module name or path of a .py file, function na
 
 BUILTIN_REWARDS: dict[str, RewardFnRef] = {
     "synthetic": ("periodic_async.reward.synthetic", "compute_score"),
+    "exact": ("periodic_async.reward.synthetic", "exact_score"),
     "gsm8k": ("periodic_async.reward.gsm8k", "compute_score"),
 }
 # A worker that has not loaded the reward function by then is taken as broken (imports hang).

@@ -3,7 +3,8 @@
 1.0   the response is exactly the answer (then end-of-sequence): a success, for pilot selection
       (rollout.pilot.success_threshold 1.0);
 0.5   it starts with the right digit but goes on;
-0.1   it starts with a wrong digit (format credit, so a random model gets a signal at once);
+0.1   it starts with a wrong digit (format credit, so a random model gets a signal at once; a
+      wrong letter for countdown's letter answers);
 0.0   anything else.
 
 A longer answer (long_tail: "777", n = len(answer) >= 2) is scored by how much of it is matched
@@ -20,6 +21,12 @@ A one-character answer (the other tasks, long_tail with n = 1) keeps the rule ab
 """
 
 
+def _same_kind(first: str, answer: str) -> bool:
+    """Format credit: the response starts with a character of the answer's kind (a digit for the
+    digit tasks, a letter for countdown)."""
+    return first.isdigit() if answer[:1].isdigit() else (first.isalpha() and first.isascii())
+
+
 def compute_score(response: str, answer: str) -> float:
     text = response.strip()
     if text == answer:
@@ -28,19 +35,24 @@ def compute_score(response: str, answer: str) -> float:
     if n <= 1:  # the one-digit tasks, unchanged
         if text[:1] == answer:
             return 0.5
-        if text[:1].isdigit():
-            return 0.1
-        return 0.0
+        return 0.1 if _same_kind(text[:1], answer) else 0.0
     prefix = 0
     for a, b in zip(text, answer):
         if a != b:
             break
         prefix += 1
     if prefix == 0:
-        return 0.1 if text[:1].isdigit() else 0.0
+        return 0.1 if _same_kind(text[:1], answer) else 0.0
     return 0.1 + 0.2 * prefix / n + 0.2 * prefix / max(len(text), n)
 
 
 def is_success(response: str, answer: str) -> bool:
     """The binary notion pilot selection uses: the response is exactly the answer (score 1.0)."""
     return compute_score(response, answer) == 1.0
+
+
+def exact_score(response: str, answer: str) -> float:
+    """reward.name exact: 1.0 for exactly the answer (surrounding whitespace aside), else 0.0 - the
+    binary verifiable reward of the allocation papers (no partial credit, so a group of one
+    verdict carries no GRPO gradient)."""
+    return 1.0 if response.strip() == answer else 0.0

@@ -32,6 +32,7 @@ from ..actor.tri_model import TriModelActor
 from ..backend import get_backend
 from ..config import Config, config_to_dict
 from ..models.mcore import arch_from_hf_dir
+from ..data.synthetic import tiny_alphabet
 from ..models.tiny import tiny_arch
 from ..rollout.base import SamplingParams
 from ..scheduling.dp_assignment import TokenBudget
@@ -106,7 +107,7 @@ class Trainer:
         """The model's architecture (the checkpoint's config.json, or the tiny model's), after the
         config is validated against it: once, before anything is started or written."""
         cfg = self.cfg
-        arch = arch_from_hf_dir(cfg.model.path) if cfg.model.path else tiny_arch(cfg.model.tiny)
+        arch = arch_from_hf_dir(cfg.model.path) if cfg.model.path else tiny_arch(cfg.model.tiny, tiny_alphabet(cfg.data))
         cfg.validate(world_size=int(os.environ.get("WORLD_SIZE", "1")), num_heads=arch.num_heads,
                      num_kv_heads=arch.num_kv_heads, vocab_size=arch.vocab_size, num_layers=arch.num_layers)
         from ..scheduling.group_sizing import check_group_sizing
@@ -273,7 +274,7 @@ class Trainer:
                 yaml.safe_dump(config_to_dict(self.cfg), f, sort_keys=False)
             if not self.cfg.model.path:
                 from ..models.tiny import make_tiny_model_dir
-                make_tiny_model_dir(self.cfg.model.tiny, path, self.cfg.model.init_seed)
+                make_tiny_model_dir(self.cfg.model.tiny, path, self.cfg.model.init_seed, tiny_alphabet(self.cfg.data))
         dist.barrier()
         return path
 
