@@ -12,7 +12,8 @@ import pytest
 from periodic_async.config.loading import ConfigError
 from periodic_async.config.sections import RolloutConfig, SAGCConfig
 from periodic_async.scheduling.group_sizing import (FixedGroupSize, StragglerAwareGroupSize, build_group_sizer,
-                                                     choose_size, predict_straggler_probability, prompt_key,
+                                                     choose_size, group_straggler_share,
+                                                     predict_straggler_probability, prompt_key, straggler_event,
                                                      straggler_ratio, validate_sagc)
 
 
@@ -90,6 +91,57 @@ def test_straggler_ratio_and_prompt_key():
     assert straggler_ratio([0, 0, 7]) == 7.0          # a zero median counts as 1
     assert prompt_key([1, 2, 3]) == prompt_key((1, 2, 3)) != prompt_key([1, 23])
     assert len(prompt_key([5])) == 16
+
+
+def test_both_straggler_statistics_by_hand():
+    # groups: [10, 10, 30] ratio 3 > 2 straggles; [10, 12] ratio 1.09 does not; [4, 4, 4, 20] ratio
+    # 5 does; [] is left out. Pooled: median of the 12 lengths 10, max 30: ratio 3 -> 1.
+    groups = [[10, 10, 30], [10, 12], [4, 4, 4, 20], []]
+    assert group_straggler_share(groups, 2.0) == pytest.approx(2 / 3)
+    assert straggler_event(groups, 2.0, "group") == pytest.approx(2 / 3)
+    assert straggler_event(groups, 2.0, "step") == 1 and straggler_event(groups, 3.0, "step") == 0
+    # a step whose pooled ratio is small but one group straggles on its own
+    mixed = [[100, 100, 100, 100], [100, 100, 100, 100], [10, 10, 10, 25]]   # pooled: max 100, median 100
+    assert straggler_event(mixed, 2.0, "step") == 0 and straggler_event(mixed, 2.0, "group") == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="rollout.sagc.straggler_statistic: unknown 'x'"):
+        straggler_event(groups, 2.0, "x")
+
+
+def test_the_group_statistic_updates_with_the_share():
+    """Under `group` the posterior and the dual take the share of straggling groups as S_t."""
+    c = StragglerAwareGroupSize(SAGCConfig(gamma=0.9, eta=0.25, delta=0.2, tau=2.0, straggler_statistic="group"), 8)
+    c.alpha, c.beta, c.lam = [2.0, 3.0, 1.0], [4.0, 1.0, 2.0], 0.5
+    c.begin_step(1)
+    c.pending[1] = (8, None)
+    m = c.observe(1, [[10, 10, 30], [10, 12], [4, 4, 4, 20], [10, 10]])     # 2 of 4 groups: S = 0.5
+    assert c.alpha == pytest.approx([1.9, 2.8 + 0.5, 1.0]) and c.beta == pytest.approx([3.7, 1.0 + 0.5, 1.9])
+    assert c.lam == pytest.approx(0.5 + 0.25 * (0.5 - 0.2))
+    assert m["sagc/straggler_event"] == 0.5 and m["sagc/group_straggler_share"] == 0.5
+    assert m["sagc/straggler_ratio"] == 3.0                # the pooled ratio is reported either way
+    restored = StragglerAwareGroupSize(SAGCConfig(straggler_statistic="group"), 8)
+    restored.load_state_dict(json.loads(json.dumps(c.state_dict())))
+    assert restored.straggler_steps == 0.5
+
+
+def test_the_group_statistic_grows_with_g_where_the_pooled_one_saturates():
+    """Many prompts per step: the pooled max / median of B x G lengths is over tau at any G (the
+    long_tail benchmark's situation), while the share of straggling groups still rises with G."""
+    env = random.Random(3)
+    pooled, share = {}, {}
+    for g in (4, 8, 16):
+        steps = [lognormal_batch(env, g, 0.5, prompts=32) for _ in range(200)]
+        pooled[g] = sum(straggler_event(b, 2.0, "step") for b in steps) / 200
+        share[g] = sum(straggler_event(b, 2.0, "group") for b in steps) / 200
+    assert min(pooled.values()) > 0.95                     # saturated: nothing to trade
+    assert share[4] < share[8] < share[16] and share[16] - share[4] > 0.2
+
+
+def test_the_prompt_prior_predicts_the_chosen_statistic():
+    fits = [(3.0, 0.5)] * 16
+    step = predict_straggler_probability(fits, (4, 8, 16), 2.0, 1000.0, 0, 1, "step")
+    group = predict_straggler_probability(fits, (4, 8, 16), 2.0, 1000.0, 0, 1, "group")
+    assert step == predict_straggler_probability(fits, (4, 8, 16), 2.0, 1000.0, 0, 1)    # the default
+    assert group[0] < group[1] < group[2] and all(g < s for g, s in zip(group, step))
 
 
 # ---------------------------------------------------------------------- behaviour
@@ -278,6 +330,7 @@ def test_prompt_prior_metrics_and_off_by_default():
     ({"seed": -1}, "rollout.sagc.seed"),
     ({"prompt_prior_weight": -1.0}, "rollout.sagc.prompt_prior_weight"),
     ({"prompt_ema": 0.0}, "rollout.sagc.prompt_ema"),
+    ({"straggler_statistic": "batch"}, "rollout.sagc.straggler_statistic"),
 ])
 def test_bad_sagc_values_name_the_key(change, key):
     validate_sagc(SAGCConfig(), 8)        # the defaults are valid

@@ -87,7 +87,12 @@ class SAGCConfig:
     docs/group-sizing.md): one K per step from `candidates`, moving at most one size per step, so
     that the share of steps whose longest response is over tau x the median stays near delta."""
     candidates: tuple[int, ...] = (4, 8, 16)   # increasing; rollout.n (the first step's K) among them
-    tau: float = 2.0            # straggler step: max / median response length > tau
+    tau: float = 2.0            # straggler: max / median response length > tau
+    # S_t, the straggler event: step (1 when the longest of ALL the step's responses is over tau x
+    # their median; the trainer waits on that one) | group (the share of the step's groups whose own
+    # K responses straggle: the paper's "a single long rollout delays the entire group", and the
+    # statistic that grows with K however many prompts the step has). Default step: today's numbers.
+    straggler_statistic: str = "step"
     delta: float = 0.2          # target long-run share of straggler steps
     eta: float = 0.25           # step size of the dual variable lambda (penalty per straggler)
     gamma: float = 0.95         # per-step discount of every size's Beta posterior towards Beta(1, 1)

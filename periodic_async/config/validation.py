@@ -271,6 +271,8 @@ def validate_sagc(cfg: Any, start_size: int) -> None:
                           f"{start_size} must be one of rollout.sagc.candidates {c}")
     if not cfg.tau > 1:
         raise ConfigError(f"rollout.sagc.tau: must be > 1 (max / median of the lengths is >= 1), got {cfg.tau}")
+    if cfg.straggler_statistic not in ("step", "group"):
+        raise ConfigError(f"rollout.sagc.straggler_statistic: expected step | group, got '{cfg.straggler_statistic}'")
     if not 0 < cfg.delta < 1:
         raise ConfigError(f"rollout.sagc.delta: must be in (0, 1), got {cfg.delta}")
     if not cfg.eta > 0:

@@ -96,6 +96,27 @@ def straggler_ratio(lengths: Iterable[int]) -> float:
     return max(flat) / max(statistics.median(flat), 1)
 
 
+def group_straggler_share(groups: Sequence[Sequence[int]], tau: float) -> float:
+    """The share of a step's groups whose own max / median response length exceeds tau (groups
+    with a response; 0.0 when none): the per-group straggler statistic, in which a group of G
+    samples straggles more often the larger G is, however many prompts the step has."""
+    ratios = [straggler_ratio(g) for g in groups if len(g)]
+    return sum(r > tau for r in ratios) / len(ratios) if ratios else 0.0
+
+
+def straggler_event(groups: Sequence[Sequence[int]], tau: float, statistic: str) -> float:
+    """S_t of a step from its response lengths per group: `step` 1 when the longest of all the
+    step's responses is over tau x their median (0 otherwise); `group` the share of its groups
+    that straggle on their own (group_straggler_share), a fraction in [0, 1] that the Beta
+    posterior takes as a fractional observation and the dual update as it is."""
+    if statistic == "step":
+        flat = [int(n) for g in groups for n in g]
+        return 1 if flat and straggler_ratio(flat) > tau else 0
+    if statistic == "group":
+        return group_straggler_share(groups, tau)
+    raise ValueError(f"rollout.sagc.straggler_statistic: unknown '{statistic}'; allowed: step, group")
+
+
 def choose_size(candidates: Sequence[int], current: int, draws: Sequence[float], lam: float) -> int:
     """argmax of log2 G - lam * draws[G's index] over `current` and its neighbours in the sorted
     `candidates`; a tie goes to the smaller G."""
@@ -134,10 +155,11 @@ def build_group_sizer(rollout_cfg) -> GroupSizer:
 
 
 def predict_straggler_probability(fits: Sequence[tuple[float, float]], candidates: Sequence[int], tau: float,
-                                  length_cap: float, seed: int, step: int) -> list[float]:
-    """P(S = 1 | G) for a batch whose prompt i has log-lengths ~ Normal(mu_i, sd_i) (`fits`):
-    the share of PROMPT_PRIOR_DRAWS simulated batches (each prompt G responses, lengths rounded and
-    clipped to [1, length_cap], the longest seen) whose max / median exceeds tau. One normal draw
+                                  length_cap: float, seed: int, step: int, statistic: str = "step") -> list[float]:
+    """E[S | G] for a batch whose prompt i has log-lengths ~ Normal(mu_i, sd_i) (`fits`): over
+    PROMPT_PRIOR_DRAWS simulated batches (each prompt G responses, lengths rounded and clipped to
+    [1, length_cap], the longest seen), the share whose max / median exceeds tau (`step`), or the
+    mean share of prompts whose own G responses do (`group`). One normal draw
     serves every G (common random numbers), so the estimate is monotone in G in the max; the
     generator is seeded by (seed, step): the prediction needs no state of its own."""
     import numpy as np
@@ -147,6 +169,10 @@ def predict_straggler_probability(fits: Sequence[tuple[float, float]], candidate
     out = []
     for g in candidates:
         lengths = np.clip(np.rint(np.exp(mu + sd * z[:, :, :g])), 1, max(length_cap, 1))
+        if statistic == "group":      # each prompt's g responses on their own: the mean share
+            ratio = lengths.max(axis=2) / np.median(lengths, axis=2)            # (draws, prompts)
+            out.append(float(np.mean(ratio > tau)))
+            continue
         flat = lengths.reshape(PROMPT_PRIOR_DRAWS, -1)           # (draws, prompts * g)
         ratio = flat.max(axis=1) / np.median(flat, axis=1)
         out.append(float(np.mean(ratio > tau)))
@@ -179,6 +205,7 @@ class StragglerAwareGroupSize(GroupSizer):
         self.length_cap = 0.0               # the longest response seen (the prediction's clip)
         # step -> (G played, the predicted P(S=1 | G) it was decided with, if any), until observed
         self.pending: dict[int, tuple[int, Optional[list[float]]]] = {}
+        self._statistic = getattr(cfg, "straggler_statistic", "step")
 
     # ------------------------------------------------------------------ decide
     def begin_step(self, step: int, prompt_keys: Optional[Sequence[str]] = None) -> int:
@@ -213,7 +240,7 @@ class StragglerAwareGroupSize(GroupSizer):
             mu, m2 = self.prompt_history.get(k, default)
             fits.append((mu, math.sqrt(max(m2 - mu * mu, 0.0))))
         return predict_straggler_probability(fits, self.candidates, self.cfg.tau, self.length_cap,
-                                             self.cfg.seed, step)
+                                             self.cfg.seed, step, self._statistic)
 
     # ------------------------------------------------------------------ learn
     def observe(self, step: int, lengths: Sequence[Sequence[int]],
@@ -227,7 +254,8 @@ class StragglerAwareGroupSize(GroupSizer):
         cfg = self.cfg
         flat = [int(n) for group in lengths for n in group]
         ratio = straggler_ratio(flat)
-        s = 1 if ratio > cfg.tau else 0
+        share = group_straggler_share(lengths, cfg.tau)
+        s = straggler_event(lengths, cfg.tau, self._statistic)
         played = self.candidates.index(size)
         for j in range(len(self.candidates)):
             # discount every arm towards the prior: gamma * alpha + (1 - gamma) * alpha0
@@ -241,7 +269,8 @@ class StragglerAwareGroupSize(GroupSizer):
         if cfg.prompt_prior and prompt_keys is not None:
             self._update_history(lengths, prompt_keys)
         metrics = {"sagc/group_size": size, "sagc/lambda": self.lam, "sagc/straggler_event": s,
-                   "sagc/straggler_ratio": ratio, "sagc/straggler_rate": self.straggler_steps / self.steps_observed}
+                   "sagc/straggler_ratio": ratio, "sagc/group_straggler_share": share,
+                   "sagc/straggler_rate": self.straggler_steps / self.steps_observed}
         for g, a, b in zip(self.candidates, self.alpha, self.beta):
             metrics[f"sagc/p_hat/{g}"] = a / (a + b)
         if prior_q is not None:
@@ -279,7 +308,8 @@ class StragglerAwareGroupSize(GroupSizer):
         self.alpha, self.beta = [float(a) for a in state["alpha"]], [float(b) for b in state["beta"]]
         version, internal, gauss_next = state["rng"]
         self.rng.setstate((version, tuple(internal), gauss_next))
-        self.steps_observed, self.straggler_steps = int(state["steps_observed"]), int(state["straggler_steps"])
+        v = state["straggler_steps"]     # an int under the step statistic, a sum of shares under group
+        self.steps_observed, self.straggler_steps = int(state["steps_observed"]), int(v) if float(v).is_integer() else float(v)
         self.prompt_history = {k: [float(x) for x in v] for k, v in state["prompt_history"].items()}
         self.length_cap = float(state["length_cap"])
         self.pending = {int(t): (int(g), q) for t, (g, q) in state.get("pending", {}).items()}
