@@ -18,7 +18,8 @@ Variants: grpo (plain), backfill (rollout.backfill), pilot (rollout.pilot with s
 rarely answers exactly, so the default success_threshold 1.0 defers nearly every prompt; on
 long_tail 0.1, the first character, is met by nearly every sample within a few steps, so two
 successful pilots mark almost every prompt solved and the run starves), fixed4 / fixed8 / fixed16 (rollout.n)
-and sagc (rollout.group_sizing: sagc from rollout.n = 8). Pilot and backfill are not combined: the
+sagc (rollout.group_sizing: sagc from rollout.n = 8), sagc_group (its per-group straggler statistic)
+and sagc_prior (with the prompt prior). --vary-seed: repeat r runs with trainer.seed = 1 + r. Pilot and backfill are not combined: the
 configuration refuses it (a committed pilot always has varying rewards, so backfill never acts).
 
 Per run it prints: steps, rollouts and wall-clock until the validation reward first reaches each
@@ -53,6 +54,9 @@ VARIANTS = {
     "fixed8": ["rollout.n=8"],
     "fixed16": ["rollout.n=16"],
     "sagc": ["rollout.group_sizing=sagc", "rollout.n=8"],
+    # SAGC with the per-group straggler statistic, and with the prompt prior
+    "sagc_group": ["rollout.group_sizing=sagc", "rollout.n=8", "rollout.sagc.straggler_statistic=group"],
+    "sagc_prior": ["rollout.group_sizing=sagc", "rollout.n=8", "rollout.sagc.prompt_prior=true"],
 }
 TAU = 2.0
 
@@ -171,6 +175,7 @@ def main() -> None:
     p.add_argument("--modes", default="sync,periodic")
     p.add_argument("--variants", default="grpo,backfill,pilot")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--vary-seed", action="store_true", help="repeat r runs with trainer.seed=1+r (else all seed 1)")
     p.add_argument("--val-every", type=int, default=10)
     p.add_argument("--val-size", type=int, default=128)
     p.add_argument("--val-n", type=int, default=4)
@@ -200,8 +205,9 @@ def main() -> None:
         for variant in variants:
             for mode in modes:
                 run_dir = os.path.join(root, f"{mode}_{variant}_{rep}")
-                records = run_once(args.config, mode, variant, args.steps, args.val_every, run_dir, overrides,
-                                   reuse=args.reuse_runs)
+                seed = [f"trainer.seed={1 + rep}"] if args.vary_seed else []
+                records = run_once(args.config, mode, variant, args.steps, args.val_every, run_dir,
+                                   overrides + seed, reuse=args.reuse_runs)
                 results[(mode, variant, rep)] = summarise(records, val_key, targets)
     lines = table(results, targets, val_key)
     cmd = "python tools/bench_allocation.py " + " ".join(sys.argv[1:])
