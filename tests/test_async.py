@@ -246,3 +246,29 @@ def test_async_configuration_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config("configs/default.yaml", overrides).validate(world_size=1)
     load_config("configs/default.yaml", ["trainer.mode=async", "trainer.max_staleness=3"]).validate(world_size=1)
+
+
+# ---------------------------------------------------------------------- a loss that ignores staleness
+
+
+@pytest.mark.parametrize("overrides, warned", [
+    (["trainer.mode=async", "trainer.max_staleness=2"], True),                       # plain grpo on stale data
+    (["trainer.mode=async", "trainer.max_staleness=2", "actor.policy_loss=gspo",
+      "actor.loss_agg_mode=seq-mean-token-mean"], True),
+    (["trainer.mode=async", "trainer.max_staleness=0"], False),                      # eta 0: on-policy
+    (["trainer.mode=periodic"], False),
+    (["trainer.mode=async", "trainer.max_staleness=2", "actor.policy_loss=decoupled_ppo"], False),
+    (["trainer.mode=async", "trainer.max_staleness=2", "actor.rollout_correction.rollout_is=token"], False),
+])
+def test_a_loss_ignoring_the_behaviour_policy_in_async_is_warned_once(overrides, warned, caplog):
+    from periodic_async.config import load_config
+    from periodic_async.train.startup_checks import check_registries_and_warn
+    cfg = load_config("configs/long_tail.yaml", overrides)
+    with caplog.at_level("WARNING"):
+        check_registries_and_warn(cfg)
+    lines = [r.getMessage() for r in caplog.records if "ignores the behaviour policy" in r.getMessage()]
+    if warned:
+        assert len(lines) == 1 and lines[0].startswith(f"actor.policy_loss: '{cfg.actor.policy_loss}' ignores")
+        assert "trainer.max_staleness 2" in lines[0] and "actor.policy_loss=decoupled_ppo" in lines[0]
+    else:
+        assert lines == []

@@ -438,3 +438,23 @@ def check_micro_batch_tokens(cfg, whole_groups: bool) -> None:
     if budget < need:
         raise ConfigError(f"actor.micro_batch_tokens: {budget} cannot hold {what} = {need} tokens; raise it to "
                           f"at least {need}")
+
+
+def stale_loss_warning(cfg, policy_losses: dict) -> Optional[str]:
+    """One line for the log when the policy loss ignores the behaviour policy although samples may
+    be stale (trainer.mode async, max_staleness > 0): plain PPO-clip then treats data from up to
+    eta versions back as the proximal policy's, a biased gradient. A warning, not a refusal: with
+    eta small and a small learning rate it still trains (the async benchmarks ran so), and
+    rollout-correction TIS (actor.rollout_correction.rollout_is) is a correction of its own.
+    None when nothing is wrong."""
+    eta = cfg.trainer.max_staleness
+    loss = cfg.actor.policy_loss
+    if cfg.trainer.mode != "async" or not eta:
+        return None
+    if getattr(policy_losses.get(loss), "weights_by_behaviour_ratio", False):
+        return None
+    if cfg.actor.rollout_correction.rollout_is is not None:
+        return None
+    return (f"actor.policy_loss: '{loss}' ignores the behaviour policy, but with trainer.mode async and "
+            f"trainer.max_staleness {eta} samples may come from {eta} versions back (a biased gradient); "
+            f"use actor.policy_loss=decoupled_ppo (docs/async.md) or actor.rollout_correction.rollout_is=token")

@@ -43,6 +43,7 @@ from ..telemetry.logger import MetricsLogger
 from ..telemetry.sample_trace import SampleTrace
 from ..telemetry.timeline import Timeline
 from .feed import GroupFeed
+from .startup_checks import check_registries_and_warn
 from .step import train_batch
 
 log = logging.getLogger(__name__)
@@ -110,12 +111,7 @@ class Trainer:
         arch = arch_from_hf_dir(cfg.model.path) if cfg.model.path else tiny_arch(cfg.model.tiny, tiny_alphabet(cfg.data))
         cfg.validate(world_size=int(os.environ.get("WORLD_SIZE", "1")), num_heads=arch.num_heads,
                      num_kv_heads=arch.num_kv_heads, vocab_size=arch.vocab_size, num_layers=arch.num_layers)
-        from ..scheduling.group_sizing import check_group_sizing
-        from ..scheduling.selection import check_selection
-        from ..telemetry.tracking_backends import check_loggers
-        check_loggers(cfg.trainer)
-        check_group_sizing(cfg.rollout.group_sizing)    # registry names: checked in the layer of the registries
-        check_selection(cfg.rollout.selection)
+        check_registries_and_warn(cfg)
         return arch
 
     def _read_inputs(self) -> tuple[list | None, list | None]:
