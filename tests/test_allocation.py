@@ -12,7 +12,7 @@ import pytest
 
 from periodic_async.data.dataset import PromptLoader
 from periodic_async.data.records import PromptRecord
-from periodic_async.config.allocation import (BackfillConfig, PilotConfig, classify, threshold_fraction,
+from periodic_async.config.allocation import (BackfillConfig, PilotConfig, Thresholds, threshold_fraction,
                                               validate_allocation)
 from periodic_async.scheduling.allocation import COMMIT, FULL, PILOT, Allocator, Candidate, group_parts
 from periodic_async.scheduling.prompt_reserve import PromptReserve
@@ -58,8 +58,11 @@ def _run_step(alloc, step, draw, reward, order_seed=None):
     return dispatched, sorted(ready, key=lambda g: g.slot), metrics
 
 
-def _pilot(**kw):
-    return PilotConfig(enabled=True, **kw)
+def _pilot(n_pilot=2, p_lower=0.0, p_upper=1.0, **kw):
+    """The first version's rule (PilotConfig.v0: deferred at p <= p_lower, evicted at once at p >=
+    p_upper, passed strictly between, fills from the reserve), whose decisions these hand-computed
+    cases spell out; the official rule's are tests/test_pilot_official.py's."""
+    return PilotConfig.v0(n_pilot=n_pilot, p_lower=p_lower, p_upper=p_upper, **kw)
 
 
 # ---------------------------------------------------------------- switches off: the identity
@@ -94,13 +97,16 @@ def test_threshold_boundaries_are_exact_thirds():
     third, two_thirds = threshold_fraction(1 / 3), threshold_fraction(2 / 3)
     assert third == Fraction(1, 3) and two_thirds == Fraction(2, 3)
     assert threshold_fraction("1/3") == Fraction(1, 3) and threshold_fraction(0.25) == Fraction(1, 4)
-    # n_pilot = 3: p = 1/3 sits on p_lower (deferred, inclusive), p = 2/3 on p_upper (solved, inclusive)
-    assert [classify(s, 3, third, two_thirds) for s in range(4)] == ["deferred", "deferred", "solved", "solved"]
-    # n_pilot = 6: only 3/6 lies strictly between
-    assert [classify(s, 6, third, two_thirds) for s in range(7)] == [
-        "deferred", "deferred", "deferred", "passed", "solved", "solved", "solved"]
+    # the band is inclusive: n_pilot = 3, p = 1/3 and 2/3 both on a bound, both pass
+    band = Thresholds(third, two_thirds, None)
+    assert [band.passes(s, 3) for s in range(4)] == [False, True, True, False]
+    assert [band.passes(s, 6) for s in range(7)] == [False, False, True, True, True, False, False]
+    # eviction is inclusive too, and independent of the band
+    assert [Thresholds(third, two_thirds, two_thirds).evicts(s, 3) for s in range(4)] == [False, False, True, True]
+    assert not any(Thresholds(third, two_thirds, None).evicts(s, 3) for s in range(4))
     # a float comparison would get p == 1/3 wrong: 1/3 as a Fraction of the float is below one third
     assert Fraction(1, 3) > Fraction(1 / 3)
+    # v0's strict (p_lower, p_upper) on thirds leaves no count between: refused, not silently empty
     with pytest.raises(ValueError, match="no success count s of n_pilot=3"):
         _pilot(n_pilot=3, p_lower=1 / 3, p_upper=2 / 3).validate(batch_size=4, group_size=6)
 
@@ -397,12 +403,18 @@ def test_duplicate_delivery_is_ignored_and_a_conflicting_one_raises():
 # ---------------------------------------------------------------- configuration
 
 @pytest.mark.parametrize("pilot, backfill, message", [
-    (_pilot(p_lower=0.8, p_upper=0.5), BackfillConfig(), "rollout.pilot.p_lower must be <= p_upper"),
+    (_pilot(p_lower=0.8, p_upper=0.5), BackfillConfig(), "rollout.pilot.pass_lower / pass_upper: no success count"),
     (_pilot(n_pilot=4), BackfillConfig(), r"rollout.pilot.n_pilot must be in \[1, rollout.n - 1\]"),
-    (_pilot(p_upper=1.5), BackfillConfig(), r"rollout.pilot.p_upper must be in \[0, 1\]"),
+    (_pilot(p_upper=1.5), BackfillConfig(), r"rollout.pilot.evict_at must be in \[0, 1\]"),
+    (PilotConfig(enabled=True, pass_upper=1.5), BackfillConfig(), r"rollout.pilot.pass_upper must be in \[0, 1\]"),
     (_pilot(budget=9, num_candidates=4), BackfillConfig(), "rollout.pilot.budget: 9 rollouts do not cover"),
     (_pilot(replay_max_age=-1), BackfillConfig(), "rollout.pilot.replay_max_age"),
-    (_pilot(p_lower="a"), BackfillConfig(), "rollout.pilot.p_lower must be a finite number"),
+    (PilotConfig(enabled=True, pass_lower="a"), BackfillConfig(), "rollout.pilot.pass_lower must be a finite number"),
+    (PilotConfig(enabled=True, n_pilot=2, evict_from="later"), BackfillConfig(), "rollout.pilot.evict_from must be one of"),
+    (PilotConfig(enabled=True, n_pilot=2, fill_from="x"), BackfillConfig(), "rollout.pilot.fill_from must be one of"),
+    (PilotConfig(enabled=True, p_upper=0.9), BackfillConfig(), "rollout.pilot.p_upper: replaced by pass_lower"),
+    # n_pilot unset: K // 4 = 1 at K = 4, and no count of 1 lies in [1/8, 3/4]
+    (PilotConfig(enabled=True), BackfillConfig(), r"no success count s of n_pilot=1 \(n_pilot unset: K // 4\)"),
     (PilotConfig(), BackfillConfig(enabled=True, max_groups=-1), "rollout.backfill.max_groups"),
     (_pilot(), BackfillConfig(enabled=True), "rollout.backfill: cannot be combined with the pilot"),
 ])
@@ -412,5 +424,6 @@ def test_validation_names_the_key(pilot, backfill, message):
 
 
 def test_disabled_sections_are_not_checked():
-    validate_allocation(PilotConfig(n_pilot=9, p_lower=1.0, p_upper=0.0), BackfillConfig(max_groups=-1),
+    validate_allocation(PilotConfig(n_pilot=9, pass_lower=1.0, pass_upper=0.0, p_upper=0.5),
+                        BackfillConfig(max_groups=-1),
                         batch_size=4, group_size=2)

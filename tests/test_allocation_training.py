@@ -29,10 +29,11 @@ SWITCHES = {
     # groups of 2: at random init rewards are mostly 0.0 or 0.1, so many pairs are equal and
     # backfill acts in every run (with 4, one run of 3 steps saw none)
     "backfill": ["rollout.selection=backfill", "rollout.n=2"],
-    # success = the first character right (reward >= 0.1); 2 of 2 solved, 0 of 2 deferred; 12
-    # candidates whose pilots leave budget for 4 commits, so surplus passers go to the replay buffer
-    # (its fill rounds are tested in test_allocation.py)
-    "pilot": ["rollout.selection=pilot", "rollout.pilot.success_threshold=0.1", "rollout.pilot.p_upper=1.0",
+    # success = the first character right (reward >= 0.1); n_pilot 2 (K // 4 = 1 has no count in the
+    # official band [1/8, 3/4]): 1 of 2 passes, 2 of 2 evicted from the next epoch, 0 of 2 deferred;
+    # 12 candidates whose pilots leave budget for 4 commits, so surplus passers go to the prompt
+    # reserve (its fill rounds and the fresh fills are tested in test_allocation.py / test_pilot_official.py)
+    "pilot": ["rollout.selection=pilot", "rollout.pilot.success_threshold=0.1", "rollout.pilot.n_pilot=2",
               "rollout.pilot.num_candidates=12"],
 }
 
@@ -142,12 +143,15 @@ def test_step_with_nothing_to_train_leaves_the_policy_unchanged(tmp_path):
     """Every pilot deferred (no exact answer from a random model): no group is trainable, each
     step runs loss-free padding micro-batches and skips the update."""
     trainer = Trainer(_cfg(tmp_path, "periodic", "rollout.selection=pilot", "rollout.pilot.success_threshold=1.0",
-                           steps=2))
+                           "rollout.pilot.n_pilot=2", steps=2))
     before = {n: p.detach().clone() for n, p in trainer.actor.policy.named_parameters()}
     history = trainer.fit()
     for h in history:
         assert h["alloc/trainable_groups"] == 0 and h["training/empty_batch"] == 1.0
-        assert h["pilot/deferred"] == 8 and h["actor/step_skipped"] == 0.0
+        # B = 8 pilots of 2, all deferred, then one fresh fill round: (32 - 16 - 2 commit) // 2 = 7
+        # more, all deferred; 30 of the 32 rollouts leave no room for a pilot and its commit
+        assert h["pilot/deferred"] == 15 and h["pilot/fresh_filled"] == 7 and h["pilot/rollouts"] == 30
+        assert h["actor/step_skipped"] == 0.0
         assert "critic/score/mean" not in h and h["alloc/score_all/mean"] < 1.0
     for n, p in trainer.actor.policy.named_parameters():
         assert torch.equal(p.detach(), before[n]), n
@@ -188,9 +192,12 @@ def test_padding_micro_batches_carry_no_loss(tmp_path):
     (["rollout.selection=backfill", "rollout.backfill.max_groups=-1"], "rollout.backfill.max_groups must be >= 0"),
     (["rollout.selection=pilot", "rollout.pilot.n_pilot=4"], "rollout.pilot.n_pilot must be in [1, rollout.n - 1]"),
     # the allocator takes each step's K from the sizer: every candidate must leave a commit
-    (["rollout.selection=pilot", "rollout.group_sizing=sagc", "rollout.sagc.candidates=[2, 4]"],
+    (["rollout.selection=pilot", "rollout.pilot.n_pilot=2", "rollout.group_sizing=sagc", "rollout.sagc.candidates=[2, 4]"],
      "rollout.sagc.candidates: with K = 2: rollout.pilot.n_pilot must be in"),
-    (["rollout.selection=pilot", "rollout.pilot.budget=9"], "rollout.pilot.budget: 9 rollouts do not cover"),
+    (["rollout.selection=pilot", "rollout.pilot.n_pilot=2", "rollout.pilot.budget=9"],
+     "rollout.pilot.budget: 9 rollouts do not cover"),
+    (["rollout.selection=pilot"], "no success count s of n_pilot=1 (n_pilot unset: K // 4)"),
+    (["rollout.selection=pilot", "rollout.pilot.p_upper=0.9"], "rollout.pilot.p_upper: replaced by pass_lower"),
 ])
 def test_bad_allocation_config_is_refused_naming_the_key(tmp_path, overrides, message):
     cfg = _cfg(tmp_path, "sync", *overrides)

@@ -231,7 +231,7 @@ def test_sagc_in_the_replay_decides_as_the_runtime_sizer():
 
 def test_pilot_commit_replay_spends_no_more_than_the_budget():
     from periodic_async.scheduling.allocation import Allocator, BackfillConfig, PilotConfig
-    pc = PilotConfig(enabled=True, n_pilot=2, p_lower=0.0, p_upper=1.0, budget=96, num_candidates=24)
+    pc = PilotConfig.v0(n_pilot=2, p_lower=0.0, p_upper=1.0, budget=96, num_candidates=24)
     alloc = Allocator(pc, BackfillConfig(), 16, 8, 200)
     p = simulate("periodic", LONG_TAIL, Cluster(1, 1, slots=32), TAIL_COSTS, steps=8, allocator=alloc,
                  prompts=PromptSet(LONG_TAIL, 200, "beta:0.5,0.5", seed=1))

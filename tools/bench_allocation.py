@@ -20,7 +20,8 @@ long_tail 0.1, the first character, is met by nearly every sample within a few s
 successful pilots mark almost every prompt solved and the run starves), fixed4 / fixed8 / fixed16 (rollout.n)
 sagc (rollout.group_sizing: sagc from rollout.n = 8), sagc_group (its per-group straggler statistic)
 and sagc_prior (with the prompt prior). --vary-seed: repeat r runs with trainer.seed = 1 + r. Pilot and backfill are not combined: the
-configuration refuses it (a committed pilot always has varying rewards, so backfill never acts).
+configuration refuses it (one selection rule at a time). pilot_v0 is the first version's pilot rule
+(docs/allocation.md), kept to reproduce the numbers measured with it.
 
 Per run it prints: steps, rollouts and wall-clock until the validation reward first reaches each
 target, the final and best validation reward, mean step time, and the straggler-step rate (share of
@@ -45,11 +46,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = {
     "grpo": [],
     "backfill": ["rollout.selection=backfill"],
+    # the official rule (n_pilot K / 4, band [1/8, 3/4], evicted at 1.0 from the next epoch, fresh fills)
     "pilot": ["rollout.selection=pilot", "rollout.pilot.success_threshold=0.3"],
-    # 64 prompts piloted per step (2B at the configs' B = 32): 2B x n_pilot pilot rollouts leave
+    # 64 prompts piloted per round (2B at the configs' B = 32): 2B x n_pilot pilot rollouts leave
     # B x (K - 2 n_pilot) of the B x K budget for commits, so more passers are found when most fail
     "pilot2b": ["rollout.selection=pilot", "rollout.pilot.success_threshold=0.3",
                 "rollout.pilot.num_candidates=64"],
+    # the first version's rule (PilotConfig.v0 with p_lower 0, p_upper 1), for the numbers measured with it
+    "pilot_v0": ["rollout.selection=pilot", "rollout.pilot.success_threshold=0.3", "rollout.pilot.n_pilot=2",
+                 "rollout.pilot.pass_lower=0.5", "rollout.pilot.pass_upper=0.5", "rollout.pilot.evict_from=now",
+                 "rollout.pilot.fill_from=reserve"],
     "fixed4": ["rollout.n=4"],
     "fixed8": ["rollout.n=8"],
     "fixed16": ["rollout.n=16"],

@@ -2,30 +2,68 @@
 the exact threshold arithmetic the pilot's verdicts use (torch-free; what the switches do is
 scheduling/allocation.py and docs/allocation.md).
 
-The thresholds are compared exactly on counts: s * den >= num * n_pilot with p_upper = num / den.
-A float threshold is read as the nearest fraction with denominator at most 10**6, so 1/3 written
-as 0.3333333333333333 (or passed as the string "1/3" or a Fraction) is exactly one third.
+The pilot's defaults are the official code's (databricks/pilot-commit, recipe/pc and
+train_scripts/pc_qwen2.5-1.5b_p32c96.sh): n_pilot = K / 4 (32 of 128), a prompt passes when its
+pilot accuracy p lies in [1/8, 3/4] (diversity_threshold_lower 0.125 <= p <= 1 -
+diversity_threshold_upper 0.25, both inclusive), and a prompt at p >= 1.0 is excluded from the next
+epoch on (exclude_threshold_upper). `PilotConfig.v0` gives the settings that decide exactly as this
+project's first pilot did (one threshold both the top of the band and eviction, evicted at once,
+fill rounds from the prompt reserve only).
+
+The thresholds are compared exactly on counts: pass_lower <= s / n is s * den >= num * n with
+pass_lower = num / den. A float threshold is read as the nearest fraction with denominator at
+most 10**6, so 1/3 written as 0.3333333333333333 (or passed as the string "1/3" or a Fraction) is
+exactly one third.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 _THRESHOLD_MAX_DENOMINATOR = 10 ** 6
+EVICT_FROM = ("next_epoch", "now")
+FILL_FROM = ("reserve_then_loader", "loader", "reserve")
+
 
 @dataclass
 class PilotConfig:
     """rollout.pilot: pilot-commit allocation (scheduling/allocation.py)."""
     enabled: bool = False                 # set by rollout.selection: pilot (the allocator's switch)
-    n_pilot: int = 2                      # pilot rollouts per prompt; commit = K - n_pilot
-    p_lower: float = 0.0                  # p <= p_lower: deferred to the next epoch
-    p_upper: float = 1.0                  # p >= p_upper: solved, never sampled again
+    n_pilot: Optional[int] = None         # pilot rollouts per prompt; commit = K - n_pilot; None: K // 4 (>= 1)
+    pass_lower: float = 0.125               # a prompt passes (is committed) when pass_lower <= p <= pass_upper
+    pass_upper: float = 0.75
+    evict_at: Optional[float] = 1.0                   # p >= evict_at: never piloted again (None: never evicted)
+    evict_from: str = "next_epoch"        # next_epoch: refused from the loader's next epoch on | now
+    fill_from: str = "reserve_then_loader"    # where a step short of B commits finds more prompts
     success_threshold: float = 1.0        # a rollout succeeds when its reward >= this
-    replay_max_age: int = 4               # steps a surplus prompt may wait in the replay buffer
+    replay_max_age: int = 4               # steps a surplus passer may wait in the prompt reserve
     budget: Optional[int] = None          # rollouts per step, every phase; None: B * K
-    num_candidates: Optional[int] = None  # prompts piloted in a step's first round; None: B
+    num_candidates: Optional[int] = None  # prompts piloted per round (the first and each fresh fill); None: B
+    # replaced by the keys above (refused with the equivalent settings): PilotConfig.v0
+    p_lower: Optional[float] = None
+    p_upper: Optional[float] = None
+
+    @classmethod
+    def v0(cls, n_pilot: int = 2, p_lower: Any = 0.0, p_upper: Any = 1.0, **rest) -> "PilotConfig":
+        """The settings under which the allocator decides exactly as the first version did, whose
+        `p_lower` / `p_upper` meant: deferred at p <= p_lower, solved (evicted at once) at p >=
+        p_upper, passed strictly between, fill rounds from the prompt reserve only. With p = s /
+        n_pilot, "strictly between" is the inclusive band from the first s / n above p_lower to
+        the last below p_upper (tests/test_allocation_v0.py replays a recorded trace of the first
+        version against these settings)."""
+        lo = threshold_fraction(p_lower, "rollout.pilot.p_lower")
+        hi = threshold_fraction(p_upper, "rollout.pilot.p_upper")
+        band = [Fraction(s, n_pilot) for s in range(n_pilot + 1) if lo < Fraction(s, n_pilot) < hi]
+        # floats, as a config file holds them: s / n with n <= 10**3 reads back exactly (threshold_fraction)
+        pass_lower, pass_upper = (float(band[0]), float(band[-1])) if band else (1.0, 0.0)
+        return cls(enabled=True, n_pilot=n_pilot, pass_lower=pass_lower, pass_upper=pass_upper, evict_at=float(hi),
+                   evict_from="now", fill_from="reserve", **rest)
+
+    def resolved_n_pilot(self, group_size: int) -> int:
+        """n_pilot, or K // 4 (at least 1) when unset: the official script pilots 32 of 128."""
+        return self.n_pilot if self.n_pilot is not None else max(1, group_size // 4)
 
     def resolved_budget(self, batch_size: int, group_size: int) -> int:
         return self.budget if self.budget is not None else batch_size * group_size
@@ -33,28 +71,40 @@ class PilotConfig:
     def resolved_candidates(self, batch_size: int) -> int:
         return self.num_candidates if self.num_candidates is not None else batch_size
 
+    def thresholds(self) -> "Thresholds":
+        return Thresholds(threshold_fraction(self.pass_lower, "rollout.pilot.pass_lower"),
+                          threshold_fraction(self.pass_upper, "rollout.pilot.pass_upper"),
+                          None if self.evict_at is None else threshold_fraction(self.evict_at, "rollout.pilot.evict_at"))
+
     def validate(self, batch_size: int, group_size: int) -> None:
         """Raise ValueError naming the key; nothing is checked while the pilot is off."""
         if not self.enabled:
             return
+        for old in ("p_lower", "p_upper"):
+            if getattr(self, old) is not None:
+                raise ValueError(f"rollout.pilot.{old}: replaced by pass_lower / pass_upper (inclusive band), "
+                                 f"evict_at and evict_from; the first version's p_lower=a, p_upper=b are "
+                                 f"PilotConfig.v0 (docs/allocation.md: pass_lower/pass_upper the s/n_pilot "
+                                 f"strictly between a and b, evict_at=b, evict_from=now, fill_from=reserve)")
         if group_size < 2:
             raise ValueError(f"rollout.n must be >= 2 with rollout.selection pilot, got {group_size}")
-        if not 1 <= self.n_pilot < group_size:
+        n_pilot = self.resolved_n_pilot(group_size)
+        if not 1 <= n_pilot < group_size:
             raise ValueError(f"rollout.pilot.n_pilot must be in [1, rollout.n - 1] = [1, {group_size - 1}] so that "
-                             f"a commit of at least one rollout follows, got {self.n_pilot}")
-        lower = threshold_fraction(self.p_lower, "rollout.pilot.p_lower")
-        upper = threshold_fraction(self.p_upper, "rollout.pilot.p_upper")
-        if not 0 <= lower <= 1:
-            raise ValueError(f"rollout.pilot.p_lower must be in [0, 1], got {self.p_lower}")
-        if not 0 <= upper <= 1:
-            raise ValueError(f"rollout.pilot.p_upper must be in [0, 1], got {self.p_upper}")
-        if lower > upper:
-            raise ValueError(f"rollout.pilot.p_lower must be <= p_upper, got p_lower={self.p_lower} "
-                             f"> p_upper={self.p_upper}")
-        if not any(classify(s, self.n_pilot, lower, upper) == "passed" for s in range(self.n_pilot + 1)):
-            raise ValueError(f"rollout.pilot.p_lower / p_upper: no success count s of n_pilot={self.n_pilot} has "
-                             f"p_lower={self.p_lower} < s/{self.n_pilot} < p_upper={self.p_upper}, so no prompt "
-                             f"would ever be committed")
+                             f"a commit of at least one rollout follows, got {n_pilot}")
+        t = self.thresholds()
+        for key, value in (("pass_lower", t.pass_lower), ("pass_upper", t.pass_upper), ("evict_at", t.evict_at)):
+            if value is not None and not 0 <= value <= 1:
+                raise ValueError(f"rollout.pilot.{key} must be in [0, 1], got {getattr(self, key)}")
+        if not any(t.passes(s, n_pilot) for s in range(n_pilot + 1)):
+            unset = " (n_pilot unset: K // 4)" if self.n_pilot is None else ""
+            raise ValueError(f"rollout.pilot.pass_lower / pass_upper: no success count s of n_pilot={n_pilot}{unset} "
+                             f"has pass_lower={self.pass_lower} <= s/{n_pilot} <= pass_upper={self.pass_upper}, so "
+                             f"no prompt would ever be committed; widen the band or raise rollout.pilot.n_pilot")
+        if self.evict_from not in EVICT_FROM:
+            raise ValueError(f"rollout.pilot.evict_from must be one of {', '.join(EVICT_FROM)}, got {self.evict_from!r}")
+        if self.fill_from not in FILL_FROM:
+            raise ValueError(f"rollout.pilot.fill_from must be one of {', '.join(FILL_FROM)}, got {self.fill_from!r}")
         if not math.isfinite(self.success_threshold):
             raise ValueError(f"rollout.pilot.success_threshold must be a finite number, got {self.success_threshold}")
         if self.replay_max_age < 0:
@@ -64,11 +114,27 @@ class PilotConfig:
         if self.num_candidates is not None and self.num_candidates < 1:
             raise ValueError(f"rollout.pilot.num_candidates must be >= 1 (or null: B), got {self.num_candidates}")
         budget = self.resolved_budget(batch_size, group_size)
-        pilots = self.resolved_candidates(batch_size) * self.n_pilot
-        if pilots + (group_size - self.n_pilot) > budget:
+        pilots = self.resolved_candidates(batch_size) * n_pilot
+        if pilots + (group_size - n_pilot) > budget:
             raise ValueError(f"rollout.pilot.budget: {budget} rollouts do not cover the pilots of "
-                             f"num_candidates={self.resolved_candidates(batch_size)} x n_pilot={self.n_pilot} "
-                             f"plus one commit of {group_size - self.n_pilot}")
+                             f"num_candidates={self.resolved_candidates(batch_size)} x n_pilot={n_pilot} "
+                             f"plus one commit of {group_size - n_pilot}")
+
+
+class Thresholds(NamedTuple):
+    """The pilot's thresholds as exact fractions (evict_at None: never evicted)."""
+    pass_lower: Fraction
+    pass_upper: Fraction
+    evict_at: Optional[Fraction]
+
+    def passes(self, successes: int, n: int) -> bool:
+        """pass_lower <= s/n <= pass_upper, on integers (s * den vs num * n): a rate on a bound is in."""
+        return (successes * self.pass_lower.denominator >= self.pass_lower.numerator * n
+                and successes * self.pass_upper.denominator <= self.pass_upper.numerator * n)
+
+    def evicts(self, successes: int, n: int) -> bool:
+        """s/n >= evict_at, on integers."""
+        return self.evict_at is not None and successes * self.evict_at.denominator >= self.evict_at.numerator * n
 
 
 @dataclass
@@ -92,8 +158,8 @@ def validate_allocation(pilot: PilotConfig, backfill: BackfillConfig, batch_size
     pilot.validate(batch_size, group_size)
     backfill.validate(batch_size)
     if pilot.enabled and backfill.enabled:
-        raise ValueError("rollout.backfill: cannot be combined with the pilot - a committed pilot holds a success "
-                         "and a failure, so its groups always have varying rewards and backfill would never act")
+        raise ValueError("rollout.backfill: cannot be combined with the pilot - both choose which prompts a step "
+                         "trains on (one rule at a time: rollout.selection)")
 
 
 def threshold_fraction(value: Any, key: str = "threshold") -> Fraction:
@@ -112,13 +178,3 @@ def threshold_fraction(value: Any, key: str = "threshold") -> Fraction:
     except (ValueError, ZeroDivisionError):
         pass
     raise ValueError(f"{key} must be a finite number or a fraction string such as '1/3', got {value!r}")
-
-
-def classify(successes: int, n: int, p_lower: Fraction, p_upper: Fraction) -> str:
-    """'solved' if s/n >= p_upper, else 'deferred' if s/n <= p_lower, else 'passed' - compared on
-    integers, s * den vs num * n, so a rate equal to a bound is exactly on it."""
-    if successes * p_upper.denominator >= p_upper.numerator * n:
-        return "solved"
-    if successes * p_lower.denominator <= p_lower.numerator * n:
-        return "deferred"
-    return "passed"

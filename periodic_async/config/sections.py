@@ -165,9 +165,11 @@ class RolloutConfig:
     group_sizing: str = "fixed"
     sagc: SAGCConfig = field(default_factory=SAGCConfig)
     # Which prompts get rollouts within a step, and which groups are trained: a rule registered by
-    # name (scheduling/selection/; docs/allocation.md): none | pilot | backfill. pilot: n_pilot rollouts per prompt first; solved prompts (pilot success rate
-    # >= p_upper) are never sampled again, hopeless ones (<= p_lower) wait for the next epoch, the
-    # rest get their K - n_pilot more, within `budget` rollouts per step. backfill: a group whose K
+    # name (scheduling/selection/; docs/allocation.md): none | pilot | backfill. pilot (the official
+    # code's rule): n_pilot (K / 4) rollouts per prompt first; a pilot accuracy in [pass_lower,
+    # pass_upper] gets K - n_pilot more, others wait for the next epoch, and those at >= evict_at
+    # are not drawn again from the next epoch on; fresh prompts fill a short step within `budget`
+    # rollouts per step. backfill: a group whose K
     # rewards are all equal (no GRPO gradient) is dropped and a fresh prompt sent in its place under
     # the same policy, at most max_groups per step. Each rule's settings are its own section.
     selection: str = "none"

@@ -80,7 +80,7 @@ PENDING, PASSED, COMMITTED, SURPLUS, SOLVED, DEFERRED, TRAINED, DROPPED = (
 
 PILOT_COUNTERS = ("pilot/piloted", "pilot/committed", "pilot/solved_dropped", "pilot/deferred",
                    "pilot/readmitted", "pilot/replay_added", "pilot/replayed", "pilot/replay_expired",
-                   "pilot/rollouts")
+                   "pilot/rollouts", "pilot/fresh_filled", "pilot/rounds")
 BACKFILL_COUNTERS = ("rollout/backfilled", "rollout/zero_variance_groups", "rollout/backfill_unreplaced",
                       "rollout/rollouts")
 
@@ -114,3 +114,4 @@ class StepState:
     group_size: int = 0         # K of this step (a group sizer may change it from step to step)
     budget: int = 0             # rollouts this step may spend
     trainable: int = 0          # groups made trainable so far
+    n_pilot: int = 0            # pilot rollouts per prompt this step (rollout.pilot.n_pilot, or K // 4)

@@ -1,18 +1,25 @@
 """The pilot-commit part of the allocator (allocation.py; rollout.pilot, docs/allocation.md):
-a round of pilots, each pilot's verdict (solved, deferred, passed), the commits of the first
-passers in slot order, the surplus passers into the prompt reserve, and the fill rounds from it.
-Torch-free and deterministic.
+a round of pilots, each pilot's verdict (passed, deferred, evicted), the commits of the first
+passers in slot order, the surplus passers into the prompt reserve, and the fill rounds that
+follow while the step has fewer than B commits and budget left. Torch-free and deterministic.
+
+A verdict (exact on counts, config/allocation.py `Thresholds`), with s successes of n_pilot:
+passed iff pass_lower <= s / n_pilot <= pass_upper; evicted iff s / n_pilot >= evict_at (at once,
+or from the loader's next epoch on: `evict_from`); a prompt that did not pass is deferred to the
+next epoch. A prompt may pass and be evicted (a band reaching evict_at): it trains this step and is
+not drawn again after. Fill rounds (`fill_from`) take passers kept from earlier steps (the prompt
+reserve, each admitted only while a full K still fits), then fresh prompts from the loader
+(as many as num_candidates, and as leave room for at least one commit).
 
 `PilotCommit` is a mixin of `Allocator`, not a class of its own: it works on the allocator's
-run state (`pilot`, `batch_size`, the solved and deferred sets, the prompt reserve `replay`, the
-latest loader `_epoch`, the thresholds `_p_lower` / `_p_upper`) and its request book-keeping
-(`_request`, `_new_slot`), always under the allocator's lock.
+run state (`pilot`, `batch_size`, the evicted and deferred maps, the prompt reserve `replay`, the
+latest loader `_epoch`, the `_thresholds`) and its request book-keeping (`_draw`, `_request`,
+`_new_slot`), always under the allocator's lock.
 """
 from __future__ import annotations
 
 import math
 
-from ..config.allocation import classify
 from .alloc_types import (COMMIT, COMMITTED, DEFERRED, PASSED, PENDING, PILOT, SOLVED, SURPLUS, AllocRequest,
                           Candidate, Outcome, Round, SlotState, StepState)
 
@@ -22,36 +29,43 @@ class PilotCommit:
 
     def _start_round(self, st: StepState, slots: list[int]) -> list[AllocRequest]:
         requests = [self._request(st, slot, PILOT) for slot in slots]
-        n_commit = st.group_size - self.pilot.n_pilot
+        n_commit = st.group_size - st.n_pilot
         room = min(self.batch_size - st.committed, (st.budget - st.spent) // n_commit)
         st.rounds.append(Round(slots, max(room, 0)))
         st.counts["pilot/piloted"] += len(slots)
+        st.counts["pilot/rounds"] += 1
         return requests
 
     def _on_pilot(self, st: StepState, s: SlotState, rewards: tuple[float, ...]) -> None:
         successes = sum(1 for r in rewards if r >= self.pilot.success_threshold)
         mean = sum(rewards) / len(rewards)
         s.pilot_std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
-        verdict = classify(successes, len(rewards), self._p_lower, self._p_upper)
-        if verdict == "solved":
-            s.status = SOLVED
+        passed = self._thresholds.passes(successes, len(rewards))
+        evicted = self._thresholds.evicts(successes, len(rewards))
+        if evicted:
             st.counts["pilot/solved_dropped"] += 1
-            self._solved[s.key] = None
-            self._deferred.pop(s.key, None)
+            self._solved[s.key] = max(s.epoch, self._solved.get(s.key, s.epoch))
             self.replay.discard(s.key)
-        elif verdict == "deferred":
-            s.status = DEFERRED
-            st.counts["pilot/deferred"] += 1
-            if s.key not in self._solved:
-                self._deferred[s.key] = max(s.epoch, self._deferred.get(s.key, s.epoch))
-            self.replay.discard(s.key)
-        else:
+            if self.pilot.evict_from == "now":
+                self._deferred.pop(s.key, None)
+                if not passed:
+                    s.status = SOLVED
+                    return
+        if passed:
             s.status = PASSED
+            return
+        s.status = DEFERRED
+        if not evicted:
+            st.counts["pilot/deferred"] += 1
+        # evicted from the next epoch on: deferred for the rest of this one, like any prompt that failed
+        if self.pilot.evict_from == "next_epoch" or s.key not in self._solved:
+            self._deferred[s.key] = max(s.epoch, self._deferred.get(s.key, s.epoch))
+        self.replay.discard(s.key)
 
     def _advance(self, st: StepState) -> Outcome:
         """Commit the passers of the current round that are certain to be among its first
         `commit_slots` in slot order; once the round is resolved, put its other passers into the
-        prompt reserve in slot order and start a fill round from the prompt reserve."""
+        prompt reserve in slot order and start a fill round while the step is short of B commits."""
         out = Outcome()
         while st.rounds:
             current = st.rounds[-1]
@@ -74,19 +88,40 @@ class PilotCommit:
                 passed_before += 1
             if unresolved_before:
                 return out
-            for slot in current.slots:
-                key = st.slots[slot].key
-                if st.slots[slot].status == SURPLUS and key not in self._solved and key not in self._deferred:
-                    self.replay.add(key, st.step)
-                    st.counts["pilot/replay_added"] += 1
-            fill = min(self.batch_size - st.committed, (st.budget - st.spent) // st.group_size,
-                       self.replay.available(st.step))
-            if fill <= 0:
+            if self.pilot.fill_from != "loader":       # "loader": fills never read the reserve, so keep none
+                for slot in current.slots:
+                    key = st.slots[slot].key
+                    if st.slots[slot].status == SURPLUS and key not in self._solved and key not in self._deferred:
+                        self.replay.add(key, st.step)
+                        st.counts["pilot/replay_added"] += 1
+            slots = self._fill_slots(st)
+            if not slots:
                 return out
-            keys = self.replay.take(fill, st.step)
-            st.counts["pilot/replayed"] += len(keys)
-            out.requests += self._start_round(st, [self._new_slot(st, Candidate(k, self._epoch)) for k in keys])
+            out.requests += self._start_round(st, slots)
         return out
+
+    def _fill_slots(self, st: StepState) -> list[int]:
+        """The next fill round's slots: passers from the reserve, each while a full K fits the
+        budget, then fresh prompts from the loader, as many as num_candidates and the budget allow
+        with room for one commit after their pilots. None once B are committed."""
+        need = self.batch_size - st.committed
+        if need <= 0:
+            return []
+        keys = []
+        if self.pilot.fill_from != "loader":
+            n = min(need, (st.budget - st.spent) // st.group_size, self.replay.available(st.step))
+            keys = self.replay.take(max(n, 0), st.step)
+            st.counts["pilot/replayed"] += len(keys)
+        slots = [self._new_slot(st, Candidate(k, self._epoch)) for k in keys]
+        if self.pilot.fill_from != "reserve" and need > len(keys):
+            n_commit = st.group_size - st.n_pilot
+            left = st.budget - st.spent - len(keys) * st.group_size - n_commit
+            n = min(self.pilot.resolved_candidates(self.batch_size), left // st.n_pilot)
+            if n > 0:
+                fresh = self._draw(st, n)
+                st.counts["pilot/fresh_filled"] += len(fresh)
+                slots += [self._new_slot(st, c) for c in fresh]
+        return slots
 
     def _pilot_metrics(self, st: StepState) -> dict[str, float]:
         """The metrics of a step that only the pilot has, computed when it ends."""
