@@ -65,3 +65,34 @@ def test_countdown_lengths_past_the_alphabet_are_refused():
     cfg = load_config("configs/countdown.yaml", ["data.synthetic.long_tail_max=27"])
     with pytest.raises(ConfigError, match="data.synthetic.long_tail_max: countdown answers are at most 26"):
         cfg.validate(world_size=1, num_heads=2, num_kv_heads=2, vocab_size=48, num_layers=2)
+
+
+def test_reverse_answers_are_the_prompt_backwards():
+    assert answer_for("reverse", "qzbk") == "kbzq"
+    assert answer_for("reverse", "e") == "e"
+
+
+def test_reverse_records_are_distinct_letters_long_tailed_and_rarely_repeated():
+    cfg = SyntheticTaskConfig(task="reverse", size=4000, long_tail_max=26, long_tail_alpha=1.5)
+    records = make_records(cfg, seed=5)
+    assert [(r.prompt, r.answer) for r in records] == [(r.prompt, r.answer) for r in make_records(cfg, seed=5)]
+    assert [r.prompt for r in records] != [r.prompt for r in make_records(cfg, seed=6)]
+    for r in records:
+        body = r.prompt[:-1]
+        assert r.prompt[-1] == "=" and set(body) <= set(LETTERS) and len(set(body)) == len(body)
+        assert r.answer == body[::-1]
+    lengths = collections.Counter(len(r.answer) for r in records)
+    assert max(lengths) <= 26 and lengths[1] > lengths[2] > lengths[4] > lengths[8] > 0
+    assert sorted(lengths.elements())[len(records) // 2] <= 2 and max(lengths) >= 20
+    # unlike countdown's 351, prompts of 3+ letters are almost never repeated: held-out ones are new
+    long = [r.prompt for r in records if len(r.prompt) >= 4]
+    assert len(set(long)) >= 0.98 * len(long)
+
+
+def test_reverse_uses_the_letter_alphabet_and_refuses_lengths_past_it():
+    cfg = load_config("configs/reverse_warm.yaml", [])
+    assert cfg.data.synthetic.task == "reverse" and cfg.reward.name == "exact"
+    assert tiny_alphabet(cfg.data) == DEFAULT_ALPHABET + LETTERS
+    bad = load_config("configs/reverse_warm.yaml", ["data.synthetic.long_tail_max=27"])
+    with pytest.raises(ConfigError, match="data.synthetic.long_tail_max: reverse answers are at most 26"):
+        bad.validate(world_size=1, num_heads=2, num_kv_heads=2, vocab_size=48, num_layers=2)

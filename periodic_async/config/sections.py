@@ -44,7 +44,7 @@ class SyntheticTaskConfig:
     task: str = "next_digit"    # see periodic_async/data/synthetic.py
     num_digits: int = 4
     size: int = 4096
-    # long_tail and countdown: answer lengths n in 1..long_tail_max, P(n) proportional to n ** -long_tail_alpha
+    # long_tail, countdown and reverse: answer lengths n in 1..long_tail_max, P(n) proportional to n ** -long_tail_alpha
     long_tail_max: int = 40
     long_tail_alpha: float = 1.5
 

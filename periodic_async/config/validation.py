@@ -22,7 +22,7 @@ if TYPE_CHECKING:   # sections.py imports this module (Config.validate)
     from .sections import Config
 
 # data.synthetic.task: the built-in tasks (data/synthetic.py implements them; it reads this list)
-SYNTHETIC_TASKS = ("next_digit", "copy_last", "sum_mod10", "long_tail", "countdown")
+SYNTHETIC_TASKS = ("next_digit", "copy_last", "sum_mod10", "long_tail", "countdown", "reverse")
 
 
 def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[int] = None,
@@ -38,12 +38,12 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
         _choice("data.synthetic.task", cfg.data.synthetic.task, SYNTHETIC_TASKS)
         _positive("data.synthetic.num_digits", cfg.data.synthetic.num_digits)
         _positive("data.synthetic.size", cfg.data.synthetic.size)
-        if cfg.data.synthetic.task in ("long_tail", "countdown"):
+        if cfg.data.synthetic.task in ("long_tail", "countdown", "reverse"):
             _positive("data.synthetic.long_tail_max", cfg.data.synthetic.long_tail_max)
             if not cfg.data.synthetic.long_tail_alpha >= 0:
                 raise ConfigError(f"data.synthetic.long_tail_alpha: must be >= 0, got {cfg.data.synthetic.long_tail_alpha}")
-        if cfg.data.synthetic.task == "countdown" and cfg.data.synthetic.long_tail_max > 26:
-            raise ConfigError(f"data.synthetic.long_tail_max: countdown answers are at most 26 letters long, got "
+        if cfg.data.synthetic.task in ("countdown", "reverse") and cfg.data.synthetic.long_tail_max > 26:
+            raise ConfigError(f"data.synthetic.long_tail_max: {cfg.data.synthetic.task} answers are at most 26 letters long, got "
                               f"{cfg.data.synthetic.long_tail_max}")
     _choice("data.chat_template", cfg.data.chat_template, ("auto", "none"))
     _choice("data.overlong_prompt", cfg.data.overlong_prompt, ("error", "skip", "truncate_left"))

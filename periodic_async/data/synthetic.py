@@ -24,6 +24,13 @@ simple function of ONE visible prompt token:
   and teach the long ones: difficulty grows with n. For the allocation and group-sizing
   benchmarks, with the binary reward `reward.name: exact` (configs/countdown.yaml). Its letters
   extend the tiny model's alphabet (`tiny_alphabet`).
+- reverse:    prompt "qzbk=" -> answer "kbzq" (the prompt's letters backwards). n distinct random
+  letters, n from the same truncated power law (long_tail_max <= 26), so lengths are long-tailed
+  and set by the prompt. Unlike countdown (351 distinct prompts, the one-letter ones never seen when
+  held out), prompts are almost never repeated, so held-out accuracy measures the rule: copy the
+  letter n - i positions back from "=" - one attention pattern, exact for short runs and harder as
+  n grows. For the allocation benchmarks from a warm start (configs/reverse_warm.yaml), with
+  `reward.name: exact`.
 
 Rewards (reward/synthetic.py) give partial credit for a digit, so the format is
 learnt first and the mapping after it (long_tail: also for the share of the answer matched).
@@ -39,12 +46,13 @@ from .records import PromptRecord
 
 TASKS = SYNTHETIC_TASKS     # the names data.synthetic.task accepts; each is implemented below
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
+LETTER_TASKS = ("countdown", "reverse")    # answers of letters: the tiny model's alphabet adds them
 
 
 def tiny_alphabet(data_cfg) -> str:
     """The tiny model's tokenizer alphabet for this data: the default one, plus the letters for
     the countdown task (the other tasks keep today's vocabulary, hence today's models)."""
-    if data_cfg.source == "synthetic" and data_cfg.synthetic.task == "countdown":
+    if data_cfg.source == "synthetic" and data_cfg.synthetic.task in LETTER_TASKS:
         return DEFAULT_ALPHABET + LETTERS
     return DEFAULT_ALPHABET
 
@@ -56,6 +64,8 @@ def answer_for(task: str, digits: str) -> str:
     if task == "countdown":          # "c-g": from g (just before "=") down to c
         last, first = LETTERS.index(digits[0]), LETTERS.index(digits[-1])
         return "".join(LETTERS[i] for i in range(first, last - 1, -1))
+    if task == "reverse":            # "qzbk" -> "kbzq"
+        return digits[::-1]
     if task == "next_digit":
         return str((int(digits[-1]) + 1) % 10)
     if task == "copy_last":
@@ -99,6 +109,17 @@ def _countdown_records(cfg: SyntheticTaskConfig, seed: int) -> list[PromptRecord
     return records
 
 
+def _reverse_records(cfg: SyntheticTaskConfig, seed: int) -> list[PromptRecord]:
+    lengths, probs = long_tail_length_pmf(cfg.long_tail_max, cfg.long_tail_alpha)
+    rng = np.random.default_rng(seed)
+    counts = rng.choice(lengths, size=cfg.size, p=probs)
+    records = []
+    for i, n in enumerate(counts):
+        body = "".join(LETTERS[j] for j in rng.permutation(len(LETTERS))[:int(n)])
+        records.append(PromptRecord(prompt=body + "=", answer=answer_for("reverse", body), index=i))
+    return records
+
+
 def make_records(cfg: SyntheticTaskConfig, seed: int):
     """`cfg.size` prompts of `cfg.num_digits` random digits each (long_tail: one digit and its
     star count), deterministic in `seed`."""
@@ -110,6 +131,8 @@ def make_records(cfg: SyntheticTaskConfig, seed: int):
         return _long_tail_records(cfg, seed)
     if cfg.task == "countdown":
         return _countdown_records(cfg, seed)
+    if cfg.task == "reverse":
+        return _reverse_records(cfg, seed)
     rng = np.random.default_rng(seed)
     digits = rng.integers(0, 10, size=(cfg.size, cfg.num_digits))
     records = []

@@ -23,7 +23,7 @@ A one-character answer (the other tasks, long_tail with n = 1) keeps the rule ab
 
 def _same_kind(first: str, answer: str) -> bool:
     """Format credit: the response starts with a character of the answer's kind (a digit for the
-    digit tasks, a letter for countdown)."""
+    digit tasks, a letter for countdown and reverse)."""
     return first.isdigit() if answer[:1].isdigit() else (first.isalpha() and first.isascii())
 
 
