@@ -16,6 +16,7 @@ from periodic_async.config.allocation import (BackfillConfig, PilotConfig, Thres
                                               validate_allocation)
 from periodic_async.scheduling.allocation import COMMIT, FULL, PILOT, Allocator, Candidate, group_parts
 from periodic_async.scheduling.prompt_reserve import PromptReserve
+from allocation_trace import scenario
 
 
 def _records(n):
@@ -267,18 +268,12 @@ def test_draws_stop_when_every_prompt_is_solved():
 
 def test_budget_is_never_exceeded_and_decisions_ignore_arrival_order():
     for seed in range(150):
-        rng = random.Random(seed)
-        batch, k = rng.randint(1, 4), rng.randint(3, 7)
-        n_pilot = rng.randint(2, k - 1)
-        lo = rng.randint(0, n_pilot - 2)
-        hi = rng.randint(lo + 2, n_pilot)
-        candidates = rng.randint(1, 2 * batch)
-        budget = rng.randint(candidates * n_pilot + k - n_pilot, 2 * candidates * k)
-        cfg = _pilot(n_pilot=n_pilot, p_lower=lo / n_pilot, p_upper=hi / n_pilot, budget=budget,
-                     num_candidates=candidates, replay_max_age=rng.randint(0, 3),
-                     success_threshold=rng.choice([0.5, 1.0]))
-        success_rate = {key: rng.random() for key in range(12)}
-        salt = rng.randrange(10 ** 6)
+        sc = scenario(seed)     # the recorded trace's random settings (tests/allocation_trace.py)
+        batch, k, budget = sc["batch"], sc["k"], sc["budget"]
+        cfg = _pilot(n_pilot=sc["n_pilot"], p_lower=sc["p_lower"], p_upper=sc["p_upper"], budget=budget,
+                     num_candidates=sc["num_candidates"], replay_max_age=sc["replay_max_age"],
+                     success_threshold=sc["success_threshold"])
+        success_rate, salt = sc["success_rate"], sc["salt"]
 
         def reward(step, key, sample, salt=salt, success_rate=success_rate):
             u = random.Random(hash((salt, step, key, sample)) & 0xFFFFFFFF).random()

@@ -97,27 +97,26 @@ def _long_tail_records(cfg: SyntheticTaskConfig, seed: int) -> list[PromptRecord
     return records
 
 
-def _countdown_records(cfg: SyntheticTaskConfig, seed: int) -> list[PromptRecord]:
+def _prompt_set_records(cfg: SyntheticTaskConfig, seed: int, task: str, body_of_length) -> list[PromptRecord]:
+    """Records whose answer length n is drawn from the long_tail power law and whose prompt body
+    is `body_of_length(rng, n)` (countdown, reverse)."""
     lengths, probs = long_tail_length_pmf(cfg.long_tail_max, cfg.long_tail_alpha)
     rng = np.random.default_rng(seed)
     counts = rng.choice(lengths, size=cfg.size, p=probs)
     records = []
     for i, n in enumerate(counts):
-        last = int(rng.integers(0, len(LETTERS) - int(n) + 1))
-        body = f"{LETTERS[last]}-{LETTERS[last + int(n) - 1]}"
-        records.append(PromptRecord(prompt=body + "=", answer=answer_for("countdown", body), index=i))
+        body = body_of_length(rng, int(n))
+        records.append(PromptRecord(prompt=body + "=", answer=answer_for(task, body), index=i))
     return records
 
 
-def _reverse_records(cfg: SyntheticTaskConfig, seed: int) -> list[PromptRecord]:
-    lengths, probs = long_tail_length_pmf(cfg.long_tail_max, cfg.long_tail_alpha)
-    rng = np.random.default_rng(seed)
-    counts = rng.choice(lengths, size=cfg.size, p=probs)
-    records = []
-    for i, n in enumerate(counts):
-        body = "".join(LETTERS[j] for j in rng.permutation(len(LETTERS))[:int(n)])
-        records.append(PromptRecord(prompt=body + "=", answer=answer_for("reverse", body), index=i))
-    return records
+def _countdown_body(rng, n: int) -> str:        # "c-g": n = 5 letters, from g down to c
+    last = int(rng.integers(0, len(LETTERS) - n + 1))
+    return f"{LETTERS[last]}-{LETTERS[last + n - 1]}"
+
+
+def _reverse_body(rng, n: int) -> str:          # n distinct letters in random order
+    return "".join(LETTERS[j] for j in rng.permutation(len(LETTERS))[:n])
 
 
 def make_records(cfg: SyntheticTaskConfig, seed: int):
@@ -130,9 +129,9 @@ def make_records(cfg: SyntheticTaskConfig, seed: int):
     if cfg.task == "long_tail":
         return _long_tail_records(cfg, seed)
     if cfg.task == "countdown":
-        return _countdown_records(cfg, seed)
+        return _prompt_set_records(cfg, seed, "countdown", _countdown_body)
     if cfg.task == "reverse":
-        return _reverse_records(cfg, seed)
+        return _prompt_set_records(cfg, seed, "reverse", _reverse_body)
     rng = np.random.default_rng(seed)
     digits = rng.integers(0, 10, size=(cfg.size, cfg.num_digits))
     records = []
