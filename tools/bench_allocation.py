@@ -21,7 +21,7 @@ successful pilots mark almost every prompt solved and the run starves), fixed4 /
 sagc (rollout.group_sizing: sagc from rollout.n = 8), sagc_group (its per-group straggler statistic)
 and sagc_prior (with the prompt prior). --vary-seed: repeat r runs with trainer.seed = 1 + r. Pilot and backfill are not combined: the
 configuration refuses it (one selection rule at a time). pilot_official pilots 3B prompts a round with a budget of ~10 rounds (the official script's
-step, B = 32 and K = 8 assumed). pilot_v0 is the first version's pilot rule
+step, B = 32 and K = 8 assumed); pilot_noevict never evicts. pilot_v0 is the first version's pilot rule
 (docs/allocation.md), kept to reproduce the numbers measured with it.
 
 Per run it prints: steps, rollouts and wall-clock until the validation reward first reaches each
@@ -58,6 +58,10 @@ VARIANTS = {
     # (budget 2560 = 10 x 96 x 2 pilots + 32 x 6 commits at B = 32, K = 8), all counted
     "pilot_official": ["rollout.selection=pilot", "rollout.pilot.success_threshold=0.3",
                        "rollout.pilot.num_candidates=96", "rollout.pilot.budget=2560"],
+    # the official rule without eviction: at K = 8, n_pilot is 2, and 2 of 2 successes evict a
+    # prompt whose success rate is only 0.5 one time in four
+    "pilot_noevict": ["rollout.selection=pilot", "rollout.pilot.success_threshold=0.3",
+                      "rollout.pilot.evict_at=null"],
     # the first version's rule (PilotConfig.v0 with p_lower 0, p_upper 1), for the numbers measured with it
     "pilot_v0": ["rollout.selection=pilot", "rollout.pilot.success_threshold=0.3", "rollout.pilot.n_pilot=2",
                  "rollout.pilot.pass_lower=0.5", "rollout.pilot.pass_upper=0.5", "rollout.pilot.evict_from=now",
