@@ -186,8 +186,13 @@ def test_a_token_budget_trains_as_fixed_count_micro_batches(batch_and_trainer, t
     cut, cut_params = _train(trainer, sizes, groups, trainer.cfg.actor, budget)
     for k in LOSS_KEYS:
         assert cut.metrics[k] == pytest.approx(fixed.metrics[k], rel=1e-5, abs=1e-8), k
+    # Adam's first update is lr * g / (|g| + eps): for an element whose gradient is near zero the
+    # summation order alone moves it by ~1e-7 (a fresh-clone suite saw 1.2e-7 in one of 1,536 embedding elements),
+    # while a sample lost or counted twice moves many updates by a good share of lr (adam_eps 1e-4
+    # keeps small gradients in the linear range). So allow 1e-3 x lr absolute.
+    atol = 1e-3 * trainer.cfg.actor.lr
     for n in fixed_params:
-        torch.testing.assert_close(cut_params[n], fixed_params[n], rtol=1e-5, atol=1e-7, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(cut_params[n], fixed_params[n], rtol=1e-5, atol=atol, msg=lambda m: f"{n}: {m}")
     n_bound = budget.num_micro_batches(sizes, assign_groups(sizes, 1), 1)
     assert cut.metrics["micro_batch/micro_steps"] + cut.metrics["micro_batch/padding_micro_steps"] == n_bound
     assert fixed.metrics["micro_batch/micro_steps"] == -(-sum(sizes.values()) // 6)
