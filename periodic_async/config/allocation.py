@@ -32,11 +32,11 @@ class PilotConfig:
     """rollout.pilot: pilot-commit allocation (scheduling/allocation.py)."""
     enabled: bool = False                 # set by rollout.selection: pilot (the allocator's switch)
     n_pilot: Optional[int] = None         # pilot rollouts per prompt; commit = K - n_pilot; None: K // 4 (>= 1)
-    pass_lower: float = 0.125               # a prompt passes (is committed) when pass_lower <= p <= pass_upper
+    pass_lower: float = 0.125             # a prompt passes (is committed) when pass_lower <= p <= pass_upper
     pass_upper: float = 0.75
-    evict_at: Optional[float] = 1.0                   # p >= evict_at: never piloted again (None: never evicted)
+    evict_at: Optional[float] = 1.0       # p >= evict_at: never piloted again (None: never evicted)
     evict_from: str = "next_epoch"        # next_epoch: refused from the loader's next epoch on | now
-    fill_from: str = "reserve_then_loader"    # where a step short of B commits finds more prompts
+    fill_from: str = "reserve_then_loader"  # where a step short of B commits finds more prompts
     success_threshold: float = 1.0        # a rollout succeeds when its reward >= this
     replay_max_age: int = 4               # steps a surplus passer may wait in the prompt reserve
     budget: Optional[int] = None          # rollouts per step, every phase; None: B * K
