@@ -39,6 +39,9 @@ class PilotConfig:
     fill_from: str = "reserve_then_loader"  # where a step short of B commits finds more prompts
     success_threshold: float = 1.0        # a rollout succeeds when its reward >= this
     replay_max_age: int = 4               # steps a surplus passer may wait in the prompt reserve
+    # async (eta > 0): a reserve entry whose pilot rollouts are at most eta versions old is
+    # committed on them (K - n_pilot new rollouts) instead of piloted again, most varied first
+    reuse_pilots: bool = False
     budget: Optional[int] = None          # rollouts per step, every phase; None: B * K
     num_candidates: Optional[int] = None  # prompts piloted per round (the first and each fresh fill); None: B
     # replaced by the keys above (refused with the equivalent settings): PilotConfig.v0
@@ -107,6 +110,9 @@ class PilotConfig:
             raise ValueError(f"rollout.pilot.fill_from must be one of {', '.join(FILL_FROM)}, got {self.fill_from!r}")
         if not math.isfinite(self.success_threshold):
             raise ValueError(f"rollout.pilot.success_threshold must be a finite number, got {self.success_threshold}")
+        if self.reuse_pilots and self.fill_from == "loader":
+            raise ValueError("rollout.pilot.reuse_pilots: needs the prompt reserve, but rollout.pilot.fill_from is "
+                             "'loader' (fills never read it); use reserve_then_loader or reserve")
         if self.replay_max_age < 0:
             raise ValueError(f"rollout.pilot.replay_max_age must be >= 0 steps, got {self.replay_max_age}")
         if self.budget is not None and self.budget < 1:

@@ -182,6 +182,10 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
             raise
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if pilot.enabled and pilot.reuse_pilots and not (cfg.trainer.mode == "async" and cfg.trainer.max_staleness > 0):
+            raise ConfigError(f"rollout.pilot.reuse_pilots: a reused pilot is older than the step's policy, so it "
+                              f"needs trainer.mode async with trainer.max_staleness > 0 (got trainer.mode "
+                              f"{cfg.trainer.mode}, max_staleness {cfg.trainer.max_staleness})")
         if cfg.rollout.group_sizing == "sagc" and pilot.enabled:
             # the allocator takes each step's K from the sizer: every candidate K must leave a commit
             for k in cfg.rollout.sagc.candidates:

@@ -26,12 +26,15 @@ Draw = Callable[[], Optional[Candidate]]
 @dataclass(frozen=True)
 class AllocRequest:
     """One request to dispatch: the samples `sample_indices` of the group of size `group_size` in
-    slot `slot` (the RolloutRequest's group_index, which also fixes its seed), for prompt `key`."""
+    slot `slot` (the RolloutRequest's group_index, which also fixes its seed), for prompt `key`.
+    `reused`: not to dispatch - a pilot generated in an earlier step, whose rollouts the planner
+    kept (rollout.pilot.reuse_pilots); it appears only among a TrainableGroup's parts."""
     slot: int
     key: PromptKey
     phase: str
     group_size: int
     sample_indices: tuple[int, ...]
+    reused: bool = False
 
     @property
     def num_samples(self) -> int:
@@ -52,10 +55,12 @@ class TrainableGroup:
 @dataclass
 class Outcome:
     """What on_group asks of the producer: more requests to dispatch, groups ready to train, and
-    whether the step has anything outstanding left."""
+    whether the step has anything outstanding left; `kept`: (slot, key) of the surplus passers
+    of this step whose pilot rollouts the planner must keep for a later step (reuse_pilots)."""
     requests: list[AllocRequest] = field(default_factory=list)
     ready: list[TrainableGroup] = field(default_factory=list)
     done: bool = False
+    kept: list[tuple[int, PromptKey]] = field(default_factory=list)
 
 
 def group_parts(group_size: int, n_pilot: Optional[int] = None) -> list[tuple[str, tuple[int, ...]]]:
@@ -93,6 +98,7 @@ class SlotState:
     requests: dict[str, AllocRequest] = field(default_factory=dict)
     rewards: dict[str, tuple[float, ...]] = field(default_factory=dict)
     pilot_std: Optional[float] = None
+    pilot_version: Optional[int] = None    # the oldest policy version of its pilot (reuse_pilots)
 
 
 @dataclass
@@ -115,3 +121,4 @@ class StepState:
     budget: int = 0             # rollouts this step may spend
     trainable: int = 0          # groups made trainable so far
     n_pilot: int = 0            # pilot rollouts per prompt this step (rollout.pilot.n_pilot, or K // 4)
+    reused: set = field(default_factory=set)    # keys committed on a stored pilot (reuse_pilots)

@@ -9,7 +9,10 @@ or from the loader's next epoch on: `evict_from`); a prompt that did not pass is
 next epoch. A prompt may pass and be evicted (a band reaching evict_at): it trains this step and is
 not drawn again after. Fill rounds (`fill_from`) take passers kept from earlier steps (the prompt
 reserve, each admitted only while a full K still fits), then fresh prompts from the loader
-(as many as num_candidates, and as leave room for at least one commit).
+(as many as num_candidates, and as leave room for at least one commit). With reuse_pilots in
+async (eta > 0), a reserve entry keeps its pilot's rewards and version (the planner its rollouts),
+the reserve is served most varied pilot first, and an entry whose pilot is within eta versions of
+the step's trainer version is committed on it at once (`_take_reserve`).
 
 `PilotCommit` is a mixin of `Allocator`, not a class of its own: it works on the allocator's
 run state (`pilot`, `batch_size`, the evicted and deferred maps, the prompt reserve `replay`, the
@@ -22,6 +25,7 @@ import math
 
 from .alloc_types import (COMMIT, COMMITTED, DEFERRED, PASSED, PENDING, PILOT, SOLVED, SURPLUS, AllocRequest,
                           Candidate, Outcome, Round, SlotState, StepState)
+from .prompt_reserve import PilotRecord
 
 
 class PilotCommit:
@@ -90,29 +94,85 @@ class PilotCommit:
                 return out
             if self.pilot.fill_from != "loader":       # "loader": fills never read the reserve, so keep none
                 for slot in current.slots:
-                    key = st.slots[slot].key
-                    if st.slots[slot].status == SURPLUS and key not in self._solved and key not in self._deferred:
-                        self.replay.add(key, st.step)
+                    s = st.slots[slot]
+                    if s.status == SURPLUS and s.key not in self._solved and s.key not in self._deferred:
+                        record = None
+                        if self.reuses_rollouts and s.pilot_version is not None:
+                            record = PilotRecord(s.rewards[PILOT], s.pilot_version)
+                            out.kept.append((slot, s.key))
+                        self.replay.add(s.key, st.step, record)
                         st.counts["pilot/replay_added"] += 1
-            slots = self._fill_slots(st)
+            slots, commits = self._fill_slots(st)
+            out.requests += commits
             if not slots:
                 return out
             out.requests += self._start_round(st, slots)
         return out
 
-    def _fill_slots(self, st: StepState) -> list[int]:
+    def _reusable(self, st: StepState, key) -> bool:
+        """Whether the reserve's `key` may be committed on its stored pilot at this step: the step
+        is trained at version step - 1, and every pilot sample must be at most eta versions old
+        then (the staleness rule's bound), with this step's n_pilot."""
+        record = self.replay.record(key)
+        return (self.reuses_rollouts and record is not None and record.n_pilot == st.n_pilot
+                and 0 <= (st.step - 1) - record.version <= self.max_staleness)
+
+    def _take_reserve(self, st: StepState, need: int) -> tuple[list, list[AllocRequest]]:
+        """reuse_pilots: the reserve's entries for a fill round, most varied pilot first: each
+        reusable one is committed on its stored pilot at once while its K - n_pilot rollouts fit
+        the budget, each other one piloted again while a full K fits. (The keys to pilot, the
+        commit requests.)"""
+        keys, commits = [], []
+        left = st.budget - st.spent
+        for key in self.replay.serving_order(st.step, by_variance=True):
+            if len(keys) + len(commits) >= need:
+                break
+            reuse = self._reusable(st, key)
+            cost = st.group_size - st.n_pilot if reuse else st.group_size
+            if cost > left:
+                continue
+            left -= cost
+            if not reuse:
+                keys.append(key)
+                continue
+            record = self.replay.record(key)
+            slot = self._new_slot(st, Candidate(key, self._epoch))
+            s = st.slots[slot]
+            s.requests[PILOT] = AllocRequest(slot, key, PILOT, st.group_size, tuple(range(st.n_pilot)), reused=True)
+            s.rewards[PILOT], s.pilot_version = record.rewards, record.version     # pilot_std: this step's pilots only
+            s.status = COMMITTED
+            st.committed += 1
+            st.counts["pilot/committed"] += 1
+            st.counts["pilot/reused"] += 1
+            st.reused.add(key)
+            commits.append(self._request(st, slot, COMMIT))
+        for key in keys:
+            self.replay.discard(key)
+        for request in commits:
+            self.replay.discard(request.key)
+        st.counts["pilot/replayed"] += len(keys)
+        return keys, commits
+
+    def _fill_slots(self, st: StepState) -> tuple[list[int], list[AllocRequest]]:
         """The next fill round's slots: passers from the reserve, each while a full K fits the
         budget, then fresh prompts from the loader, as many as num_candidates and the budget allow
-        with room for one commit after their pilots. None once B are committed."""
+        with room for one commit after their pilots. None once B are committed. With reuse, also
+        the commits of reserve entries reused on their stored pilots (`_take_reserve`)."""
         need = self.batch_size - st.committed
         if need <= 0:
-            return []
-        keys = []
+            return [], []
+        keys, commits = [], []
         if self.pilot.fill_from != "loader":
-            n = min(need, (st.budget - st.spent) // st.group_size, self.replay.available(st.step))
-            keys = self.replay.take(max(n, 0), st.step)
-            st.counts["pilot/replayed"] += len(keys)
+            if self.reuses_rollouts:
+                keys, commits = self._take_reserve(st, need)
+                need -= len(commits)
+            else:
+                n = min(need, (st.budget - st.spent) // st.group_size, self.replay.available(st.step))
+                keys = self.replay.take(max(n, 0), st.step)
+                st.counts["pilot/replayed"] += len(keys)
         slots = [self._new_slot(st, Candidate(k, self._epoch)) for k in keys]
+        if need <= 0:
+            return slots, commits
         if self.pilot.fill_from != "reserve" and need > len(keys):
             n_commit = st.group_size - st.n_pilot
             left = st.budget - st.spent - len(keys) * st.group_size - n_commit
@@ -121,7 +181,7 @@ class PilotCommit:
                 fresh = self._draw(st, n)
                 st.counts["pilot/fresh_filled"] += len(fresh)
                 slots += [self._new_slot(st, c) for c in fresh]
-        return slots
+        return slots, commits
 
     def _pilot_metrics(self, st: StepState) -> dict[str, float]:
         """The metrics of a step that only the pilot has, computed when it ends."""

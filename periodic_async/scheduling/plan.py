@@ -89,6 +89,9 @@ class AllocatedPlan(BatchPlan):
     group_size: int = 0
     max_groups: int = 0
     _parts: dict = field(default_factory=dict)      # slot -> {phase: rewarded part Group}
+    # prompt key -> the rewarded pilot part Group of a reserve entry, shared by the planner's
+    # plans (rollout.pilot.reuse_pilots: the rule's `kept` puts parts in, a reused pilot takes one out)
+    pilot_store: dict = field(default_factory=dict)
     _phases: dict = field(default_factory=dict)     # (slot, sample indices) -> phase of that request
     _positions: int = 0
     _metrics: dict = field(default_factory=dict)
@@ -111,11 +114,20 @@ class AllocatedPlan(BatchPlan):
         self._parts.setdefault(request.group_index, {})[phase] = part
         self._reward_sum += sum(part.rewards)
         self._reward_count += len(part.rewards)
-        out = self.selection.on_group(self.step, request.group_index, phase, part.rewards)
+        if getattr(self.selection, "reuses_rollouts", False):
+            version = min((r.policy_version for r in part.results), default=None)
+            out = self.selection.on_group(self.step, request.group_index, phase, part.rewards, version=version)
+        else:
+            out = self.selection.on_group(self.step, request.group_index, phase, part.rewards)
+        for slot, key in getattr(out, "kept", ()):
+            self.pilot_store[key] = self._parts[slot]["pilot"]
         more = [self.to_request(r) for r in out.requests]
         ready = []
         for tg in out.ready:
             parts = self._parts.pop(tg.slot)
+            for a in tg.parts:
+                if a.reused:
+                    parts[a.phase] = self.pilot_store.pop(a.key)
             results = [r for a in tg.parts for r in parts[a.phase].results]
             rewards = [x for a in tg.parts for x in parts[a.phase].rewards]
             if len(results) != tg.group_size or [r.sample_index for r in results] != list(range(tg.group_size)):
@@ -131,6 +143,8 @@ class AllocatedPlan(BatchPlan):
 
     def finish(self) -> list[Group]:
         self._metrics = self.selection.end_step(self.step)
+        for key in [k for k in self.pilot_store if not self.selection.holds_pilot(k)]:
+            del self.pilot_store[key]       # expired, drawn again or evicted: the rule will not reuse it
         # the policy's score on everything it generated: critic/score/mean covers the trained
         # groups only, which the selection rule picks
         if self._reward_count:
@@ -164,6 +178,7 @@ class BatchPlanner:
         # the prompts of the steps it does not keep to the resumed run (`redraw`, drawn first).
         self._drawn: dict[int, list[tuple[int, int]]] = {}    # step -> [(record index, loader epoch)]
         self._redraw: list[tuple[int, int]] = []
+        self._pilot_store: dict = {}        # reuse_pilots: the reserve's pilot rollouts (AllocatedPlan)
 
     def plan(self, step: int) -> BatchPlan:
         if self.selection is not None:
@@ -245,7 +260,7 @@ class BatchPlanner:
         # prior has none to look at yet)
         k = int(self.group_sizer.group_size(step, 0))
         plan = AllocatedPlan(step, [], {}, selection=rule, prompt_of=self._prompt_of, sampling=self.sampling,
-                             seed=self.seed, group_size=k, max_groups=rule.batch_size)
+                             seed=self.seed, group_size=k, max_groups=rule.batch_size, pilot_store=self._pilot_store)
         plan.requests = [plan.to_request(r) for r in rule.begin_step(step, draw, group_size=k)]
         return plan
 

@@ -284,7 +284,8 @@ class Trainer:
                                   cfg.rollout.max_new_tokens, stops, ignore_eos=cfg.rollout.ignore_eos)
         from ..scheduling.group_sizing import build_group_sizer
         from ..scheduling.selection import build_selection
-        selection = build_selection(cfg.rollout, cfg.data.train_batch_size, cfg.rollout.n, len(loader.records))
+        selection = build_selection(cfg.rollout, cfg.data.train_batch_size, cfg.rollout.n, len(loader.records),
+                                    max_staleness=self.mode.max_staleness)
         return BatchPlanner(loader, self._tokenize_prompt, sampling, cfg.trainer.seed,
                             group_sizer=build_group_sizer(cfg.rollout), default_n=cfg.rollout.n, selection=selection)
 
