@@ -86,6 +86,24 @@ def test_forgotten_arm_returns_to_the_prior_not_to_zero():
     assert c.alpha[0] == pytest.approx(1.0) and c.beta[0] == pytest.approx(1.0 + 1 / (1 - 0.5))  # 1 + sum 0.5^k
 
 
+def test_the_seed_forgetting_updates_the_played_arm_only_towards_zero():
+    """forgetting: seed - alpha <- gamma alpha + S and beta <- gamma beta + (1 - S) on the played
+    arm; the others keep their verdicts however long they are left alone."""
+    c = StragglerAwareGroupSize(SAGCConfig(gamma=0.9, forgetting="seed"), 8)
+    c.alpha, c.beta = [2.0, 3.0, 1.5], [4.0, 1.0, 2.0]
+    c.begin_step(1)
+    c.pending[1] = (8, None)
+    c.observe(1, [[10, 10, 10], [10, 50]])              # S = 1
+    assert c.alpha == pytest.approx([2.0, 0.9 * 3.0 + 1, 1.5]) and c.beta == pytest.approx([4.0, 0.9 * 1.0, 2.0])
+    for step in range(2, 60):                           # 8 played, never straggling: 4 and 16 untouched
+        c.begin_step(step)
+        c.pending[step] = (8, None)
+        c.observe(step, [[10, 10]])
+    assert c.alpha[0::2] == [2.0, 1.5] and c.beta[0::2] == [4.0, 2.0]
+    # the played arm's alpha decays towards 0 (not 1), its beta to 1 / (1 - gamma) = 10
+    assert 0 < c.alpha[1] < 0.01 and c.beta[1] == pytest.approx(10.0, abs=0.05)
+
+
 def test_straggler_ratio_and_prompt_key():
     assert straggler_ratio([1, 2, 3, 4]) == 4 / 2.5
     assert straggler_ratio([0, 0, 7]) == 7.0          # a zero median counts as 1
@@ -331,6 +349,7 @@ def test_prompt_prior_metrics_and_off_by_default():
     ({"prompt_prior_weight": -1.0}, "rollout.sagc.prompt_prior_weight"),
     ({"prompt_ema": 0.0}, "rollout.sagc.prompt_ema"),
     ({"straggler_statistic": "batch"}, "rollout.sagc.straggler_statistic"),
+    ({"forgetting": "none"}, "rollout.sagc.forgetting"),
 ])
 def test_bad_sagc_values_name_the_key(change, key):
     validate_sagc(SAGCConfig(), 8)        # the defaults are valid

@@ -19,3 +19,17 @@ def test_overlap_is_the_generation_time_covered_by_training():
     # training after generation (sync, sync_split): no overlap, however long the optimizer runs
     assert overlap_metrics((0.0, 10.0), [(10.0, 30.0)]) == {"perf/overlap_s": 0.0, "perf/overlap_ratio": 0.0}
     assert overlap_metrics((0.0, 10.0), []) == {"perf/overlap_s": 0.0, "perf/overlap_ratio": 0.0}
+
+
+def test_tail_is_from_the_median_end_to_the_last():
+    """rollouter/tail_s: from when half the step's responses had finished to the last one."""
+    from periodic_async.rollout.base import RolloutResult
+    from periodic_async.scheduling.producer import RolloutStats
+    from periodic_async.telemetry.step_metrics import rollout_metrics
+    ends = [3.0, 1.0, 2.0, 9.0, 4.0]        # sorted 1 2 3 4 9: the 3rd of 5 ends at 3.0
+    stats = RolloutStats(results=[RolloutResult(0, k, [1], [2], [0.0], "stop", 0, timings={"start": 0.0, "end": e})
+                                  for k, e in enumerate(ends)])
+    assert rollout_metrics([], stats, 10.0, 1, 0)["rollouter/tail_s"] == 9.0 - 3.0
+    stats.results = [r for r in stats.results if r.timings["end"] < 9]    # 1 2 3 4: half finished at 2.0
+    assert rollout_metrics([], stats, 10.0, 1, 0)["rollouter/tail_s"] == 4.0 - 2.0
+    assert "rollouter/tail_s" not in rollout_metrics([], RolloutStats(), 10.0, 1, 0)

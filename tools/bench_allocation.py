@@ -19,14 +19,17 @@ rarely answers exactly, so the default success_threshold 1.0 defers nearly every
 long_tail 0.1, the first character, is met by nearly every sample within a few steps, so two
 successful pilots mark almost every prompt solved and the run starves), fixed4 / fixed8 / fixed16 (rollout.n)
 sagc (rollout.group_sizing: sagc from rollout.n = 8), sagc_group (its per-group straggler statistic)
-and sagc_prior (with the prompt prior). --vary-seed: repeat r runs with trainer.seed = 1 + r. Pilot and backfill are not combined: the
+sagc_prior (with the prompt prior) and sagc_seedforget (the seed's forgetting rule,
+rollout.sagc.forgetting: seed). --vary-seed: repeat r runs with trainer.seed = 1 + r. Pilot and backfill are not combined: the
 configuration refuses it (one selection rule at a time). pilot_official pilots 3B prompts a round with a budget of ~10 rounds (the official script's
-step, B = 32 and K = 8 assumed); pilot_noevict never evicts. pilot_v0 is the first version's pilot rule
+step, B = 32 and K = 8 assumed); pilot_noevict never evicts; pilot_noevict_reuse also reuses stored
+pilot rollouts within eta (async only: --modes async trainer.max_staleness=N). pilot_v0 is the first version's pilot rule
 (docs/allocation.md), kept to reproduce the numbers measured with it.
 
 Per run it prints: steps, rollouts and wall-clock until the validation reward first reaches each
-target, the final and best validation reward, mean step time, and the straggler-step rate (share of
-steps whose longest response is over tau = 2 x the median, SAGC's event). The PNG has the
+target, the final and best validation reward, mean step time, the generation tail (seconds a step's
+generation ran with at most half its responses still going: rollouter/tail_s), and the
+straggler-step rate (share of steps whose longest response is over tau = 2 x the median, SAGC's event). The PNG has the
 validation reward against rollouts and against wall-clock, one line per run.
 """
 from __future__ import annotations
@@ -73,6 +76,12 @@ VARIANTS = {
     # SAGC with the per-group straggler statistic, and with the prompt prior
     "sagc_group": ["rollout.group_sizing=sagc", "rollout.n=8", "rollout.sagc.straggler_statistic=group"],
     "sagc_prior": ["rollout.group_sizing=sagc", "rollout.n=8", "rollout.sagc.prompt_prior=true"],
+    # SAGC with the seed's forgetting (played arm only, towards Beta(0, 0)) instead of towards the prior
+    "sagc_seedforget": ["rollout.group_sizing=sagc", "rollout.n=8", "rollout.sagc.forgetting=seed"],
+    # pilot without eviction, reusing stored pilot rollouts within eta (async only: trainer.mode async,
+    # trainer.max_staleness > 0)
+    "pilot_noevict_reuse": ["rollout.selection=pilot", "rollout.pilot.success_threshold=0.3",
+                            "rollout.pilot.evict_at=null", "rollout.pilot.reuse_pilots=true"],
 }
 TAU = 2.0
 
@@ -133,6 +142,10 @@ def summarise(records: list[dict], val_key: str, targets: list[float]) -> dict:
                                            if r.get("training/empty_batch", 0) != 1] or [float("nan")]),
            "empty_steps": sum(1 for r in steps if r.get("training/empty_batch", 0) == 1),
            "trainable": statistics.fmean(r.get("alloc/trainable_groups", float("nan")) for r in steps),
+           # seconds a step's generation spent with at most half its responses still running
+           "tail_s": statistics.fmean([r["rollouter/tail_s"] for r in steps if "rollouter/tail_s" in r]
+                                      or [float("nan")]),
+           "reused": sum(int(r.get("pilot/reused", 0)) for r in steps),
            "reach": {}}
     for t in targets:
         hit = next(((s, n, w) for s, n, w, v in c if v >= t), None)
@@ -144,14 +157,16 @@ def table(results: dict, targets: list[float], val_key: str) -> list[str]:
     head = ["mode", "variant", "repeat", "final val", "best val"]
     for t in targets:
         head += [f"steps to {t}", f"rollouts to {t}", f"wall s to {t}"]
-    head += ["rollouts", "wall s", "step s", "mean K", "trained groups / step", "empty steps", "straggler steps"]
+    head += ["rollouts", "wall s", "step s", "gen tail s", "mean K", "trained groups / step", "empty steps",
+             "straggler steps"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (mode, variant, rep), s in results.items():
         row = [mode, variant, str(rep + 1), f"{s['final']:.3f}", f"{s['best']:.3f}"]
         for t in targets:
             hit = s["reach"][t]
             row += ["-", "-", "-"] if hit is None else [str(hit[0]), str(hit[1]), f"{hit[2]:.0f}"]
-        row += [str(s["rollouts"]), f"{s['wall_s']:.0f}", f"{s['step_s']:.2f}", f"{s['group_size']:.1f}",
+        row += [str(s["rollouts"]), f"{s['wall_s']:.0f}", f"{s['step_s']:.2f}",
+                "-" if s["tail_s"] != s["tail_s"] else f"{s['tail_s']:.3f}", f"{s['group_size']:.1f}",
                 "-" if s["trainable"] != s["trainable"] else f"{s['trainable']:.1f}", str(s["empty_steps"]),
                 f"{s['straggler_rate']:.0%}"]
         lines.append("| " + " | ".join(row) + " |")

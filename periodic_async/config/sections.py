@@ -96,6 +96,9 @@ class SAGCConfig:
     delta: float = 0.2          # target long-run share of straggler steps
     eta: float = 0.25           # step size of the dual variable lambda (penalty per straggler)
     gamma: float = 0.95         # per-step discount of every size's Beta posterior towards Beta(1, 1)
+    # prior: every arm discounted towards Beta(1, 1) (forgotten arms are explored again) | seed: the
+    # seed's update of the played arm only, alpha <- gamma alpha + S, beta <- gamma beta + (1 - S)
+    forgetting: str = "prior"
     seed: int = 0               # Thompson sampling's random.Random
     # Per-prompt length history (EMA weight prompt_ema of the newest group) predicting the coming
     # batch's straggler probability per K, added to each draw as prompt_prior_weight pseudo-observations.

@@ -283,6 +283,8 @@ def validate_sagc(cfg: Any, start_size: int) -> None:
         raise ConfigError(f"rollout.sagc.eta: must be > 0, got {cfg.eta}")
     if not 0 < cfg.gamma <= 1:
         raise ConfigError(f"rollout.sagc.gamma: must be in (0, 1], got {cfg.gamma}")
+    if cfg.forgetting not in ("prior", "seed"):
+        raise ConfigError(f"rollout.sagc.forgetting: expected prior | seed, got '{cfg.forgetting}'")
     if cfg.seed < 0:
         raise ConfigError(f"rollout.sagc.seed: must be >= 0, got {cfg.seed}")
     if not cfg.prompt_prior_weight >= 0:

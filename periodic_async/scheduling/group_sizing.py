@@ -257,10 +257,15 @@ class StragglerAwareGroupSize(GroupSizer):
         share = group_straggler_share(lengths, cfg.tau)
         s = straggler_event(lengths, cfg.tau, self._statistic)
         played = self.candidates.index(size)
-        for j in range(len(self.candidates)):
-            # discount every arm towards the prior: gamma * alpha + (1 - gamma) * alpha0
-            self.alpha[j] = PRIOR_ALPHA + cfg.gamma * (self.alpha[j] - PRIOR_ALPHA)
-            self.beta[j] = PRIOR_BETA + cfg.gamma * (self.beta[j] - PRIOR_BETA)
+        if cfg.forgetting == "seed":
+            # the seed's rule: only the played arm, discounted towards Beta(0, 0) (alpha, beta stay > 0)
+            self.alpha[played] *= cfg.gamma
+            self.beta[played] *= cfg.gamma
+        else:
+            for j in range(len(self.candidates)):
+                # discount every arm towards the prior: gamma * alpha + (1 - gamma) * alpha0
+                self.alpha[j] = PRIOR_ALPHA + cfg.gamma * (self.alpha[j] - PRIOR_ALPHA)
+                self.beta[j] = PRIOR_BETA + cfg.gamma * (self.beta[j] - PRIOR_BETA)
         self.alpha[played] += s
         self.beta[played] += 1 - s
         self.lam = max(0.0, self.lam + cfg.eta * (s - cfg.delta))

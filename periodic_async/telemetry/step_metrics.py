@@ -43,6 +43,11 @@ def rollout_metrics(groups, stats, step_s: float, num_engines: int, restarts: in
         "rollouter/idle_ratio": max(0.0, 1.0 - busy_s / step_s),
         "rollouter/restarts": restarts,
     }
+    ends = sorted(r.timings["end"] for r in stats.results)
+    if ends:
+        # from the moment half the step's responses had finished to the last one: the stretch in
+        # which the engines run at most half full, waiting on the tail (SAGC's straggler cost)
+        out["rollouter/tail_s"] = ends[-1] - ends[(len(ends) - 1) // 2]
     if not groups:      # nothing trained this step (an allocator kept no group)
         return out
     return {
