@@ -213,3 +213,11 @@ def test_profile_of_a_hand_made_step(tmp_path):
     assert g["flops_per_s_step"] == pytest.approx(600)
     # training: 2 x 4 forwards over 4 tokens (2*184*4 + 2*4*4*5 = 1632), busy 1.5 s (micro-step + optimizer)
     assert t["flops"] == 2 * 4 * 1632 and t["mfu_busy"] == pytest.approx(13056 / 1.5 / 1e4)
+
+
+def test_a_run_without_a_timeline_gets_one_line_saying_what_to_do(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(SystemExit, match=r"no timeline\.jsonl; re-run with trainer\.record_timeline=true"):
+        prof.main([str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"no metrics\.jsonl; is it a run directory"):
+        prof.main([str(tmp_path / "nowhere")])

@@ -383,6 +383,10 @@ def main(argv=None) -> int:
     peak, src = args.peak_flops, "--peak-flops"
     if peak is None and args.device:
         peak, src = PEAK_FLOPS[args.device]
+    for name, what in (("metrics.jsonl", "is it a run directory (trainer.run_dir)?"),
+                       ("timeline.jsonl", "re-run with trainer.record_timeline=true")):
+        if not os.path.exists(os.path.join(args.run_dir, name)):
+            raise SystemExit(f"{args.run_dir}: no {name}; {what}")
     res = profile(args.run_dir, args.warmup, peak)
     print(format_report(res, src if peak else None))
     events = read_timeline(args.run_dir)
