@@ -235,6 +235,7 @@ class BatchPlanner:
         if state.get("allocator") is not None and self.selection is not None:
             self.selection.load_state_dict(state["allocator"])
         self._redraw = [(int(i), int(e)) for i, e in state.get("redraw") or []]
+        self._pilot_store.clear()       # stored pilot rollouts are not in a checkpoint: piloted afresh
 
     def _selected_plan(self, step: int) -> AllocatedPlan:
         """The selection rule draws the step's prompts itself (and more during the step, for backfill);
