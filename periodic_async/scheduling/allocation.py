@@ -31,8 +31,8 @@ rounds (fill_from): prompts from the reserve (oldest entry first, entries older 
 replay_max_age steps discarded at the start of each step), each admitted only while a full K still
 fits the budget (with reuse_pilots and eta > 0: most varied pilot first, and an entry whose pilot
 rollouts are at most eta versions old at this step - trained at version step - 1 - is committed on
-them at once, K - n_pilot new rollouts, while those fit), then fresh prompts from the loader, as many as num_candidates and the budget
-allow with room for one commit; each gets a pilot (and a commit if it passes) under the current
+them at once, K - n_pilot new rollouts, while those fit), then fresh prompts from the loader, as
+many as num_candidates and the budget allow with room for one commit; each gets a pilot (and a commit if it passes) under the current
 policy. Every rollout of the step - pilots, commits and fills - fits `budget` (default B * K); the
 number of commits in a round is fixed when the round starts, so the budget can never be overrun.
 

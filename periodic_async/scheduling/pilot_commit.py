@@ -21,11 +21,9 @@ latest loader `_epoch`, the `_thresholds`) and its request book-keeping (`_draw`
 """
 from __future__ import annotations
 
-import math
-
 from .alloc_types import (COMMIT, COMMITTED, DEFERRED, PASSED, PENDING, PILOT, SOLVED, SURPLUS, AllocRequest,
                           Candidate, Outcome, Round, SlotState, StepState)
-from .prompt_reserve import PilotRecord
+from .prompt_reserve import PilotRecord, reward_std
 
 
 class PilotCommit:
@@ -42,8 +40,7 @@ class PilotCommit:
 
     def _on_pilot(self, st: StepState, s: SlotState, rewards: tuple[float, ...]) -> None:
         successes = sum(1 for r in rewards if r >= self.pilot.success_threshold)
-        mean = sum(rewards) / len(rewards)
-        s.pilot_std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+        s.pilot_std = reward_std(rewards)
         passed = self._thresholds.passes(successes, len(rewards))
         evicted = self._thresholds.evicts(successes, len(rewards))
         if evicted:
@@ -132,10 +129,11 @@ class PilotCommit:
             if cost > left:
                 continue
             left -= cost
+            record = self.replay.record(key)
+            self.replay.discard(key)
             if not reuse:
                 keys.append(key)
                 continue
-            record = self.replay.record(key)
             slot = self._new_slot(st, Candidate(key, self._epoch))
             s = st.slots[slot]
             s.requests[PILOT] = AllocRequest(slot, key, PILOT, st.group_size, tuple(range(st.n_pilot)), reused=True)
@@ -146,10 +144,6 @@ class PilotCommit:
             st.counts["pilot/reused"] += 1
             st.reused.add(key)
             commits.append(self._request(st, slot, COMMIT))
-        for key in keys:
-            self.replay.discard(key)
-        for request in commits:
-            self.replay.discard(request.key)
         st.counts["pilot/replayed"] += len(keys)
         return keys, commits
 

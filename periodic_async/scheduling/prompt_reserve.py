@@ -42,8 +42,13 @@ class PilotRecord(NamedTuple):
 
     @property
     def std(self) -> float:
-        mean = sum(self.rewards) / len(self.rewards)
-        return math.sqrt(sum((r - mean) ** 2 for r in self.rewards) / len(self.rewards))
+        return reward_std(self.rewards)
+
+
+def reward_std(rewards) -> float:
+    """Population standard deviation of a pilot's rewards (the variance the reserve is served by)."""
+    mean = sum(rewards) / len(rewards)
+    return math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
 
 
 class PromptReserve:
