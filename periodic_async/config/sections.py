@@ -313,6 +313,10 @@ class TrainerConfig:
     # b - 1 - max_staleness, and new weights reach the workers mid-generation (docs/async.md).
     mode: str = "periodic"
     max_staleness: int = 0      # async: eta, the most versions a consumed sample's first token may lag
+    # async: 0 trains batch b at step b; s in 1..max_staleness streams - a step takes the first
+    # groups to finish from any batch, each at most s steps after its batch's own, and the
+    # producer runs max_staleness - s batches ahead (scheduling/stream.py, docs/async.md)
+    stream_slack: int = 0
     total_steps: int = 300
     run_dir: str = "runs/default"
     seed: int = 1

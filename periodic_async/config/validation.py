@@ -416,11 +416,27 @@ def _check_async(cfg) -> None:
     eta = cfg.trainer.max_staleness
     if not isinstance(eta, int) or isinstance(eta, bool) or eta < 0:
         raise ConfigError(f"trainer.max_staleness: must be an integer >= 0, got {eta!r}")
+    slack = cfg.trainer.stream_slack
+    if not isinstance(slack, int) or isinstance(slack, bool) or slack < 0:
+        raise ConfigError(f"trainer.stream_slack: must be an integer >= 0, got {slack!r}")
     if cfg.trainer.mode != "async":
         if eta:
             raise ConfigError(f"trainer.max_staleness: {eta} needs trainer.mode async (mode "
                               f"'{cfg.trainer.mode}' is strictly on-policy)")
+        if slack:
+            raise ConfigError(f"trainer.stream_slack: {slack} needs trainer.mode async")
         return
+    if slack > eta:
+        raise ConfigError(f"trainer.stream_slack: {slack} exceeds trainer.max_staleness {eta} (a group may be "
+                          f"trained at most eta steps late)")
+    if slack:
+        # every batch must hold B groups of one K, known before the step's first group arrives
+        if cfg.rollout.group_sizing != "fixed":
+            raise ConfigError(f"trainer.stream_slack: streaming needs rollout.group_sizing fixed (got "
+                              f"'{cfg.rollout.group_sizing}'): a step's groups come from several batches")
+        if cfg.rollout.selection not in (None, "none"):
+            raise ConfigError(f"trainer.stream_slack: streaming is not supported with rollout.selection "
+                              f"'{cfg.rollout.selection}' (its decisions are per step)")
 
 
 def check_micro_batch_tokens(cfg, whole_groups: bool) -> None:

@@ -32,6 +32,9 @@ class BatchPlan:
     step: int
     requests: list[RolloutRequest]
     answers: dict[int, str]             # group index -> gold answer
+    # group index -> (record index, loader epoch) of its prompt: a streaming checkpoint hands the
+    # prompts not yet trained to the resumed run (producer.py: planner_state)
+    records: dict = field(default_factory=dict)
 
     @property
     def num_groups(self) -> int:
@@ -183,10 +186,10 @@ class BatchPlanner:
     def plan(self, step: int) -> BatchPlan:
         if self.selection is not None:
             return self._selected_plan(step)
-        pending = list(self.loader.next_batch())   # a copy: replacements are appended to it
+        pending = self._draw(self.loader.batch_size)   # [(record, epoch)]; replacements are appended
         records, prompts = [], []
         skipped_in_a_row = 0
-        for rec in pending:
+        for rec, epoch in pending:
             ids = self.tokenize(rec)
             if ids is None:
                 skipped_in_a_row += 1
@@ -194,20 +197,33 @@ class BatchPlanner:
                 if skipped_in_a_row >= 2 * len(self.loader.records):
                     raise DatasetError(f"data.overlong_prompt: skip left out every one of the "
                                        f"{len(self.loader.records)} records (all over data.max_prompt_length)")
-                pending.extend(self.loader.next_batch(1))
+                pending.extend(self._draw(1))
                 continue
             skipped_in_a_row = 0
-            records.append(rec)
+            records.append((rec, epoch))
             prompts.append(ids)
         # a sizer that picks one K per step sees the batch's prompts first
         self.group_sizer.begin_step(step, [prompt_key(ids) for ids in prompts])
         requests = []
-        for i, (rec, ids) in enumerate(zip(records, prompts)):
+        for i, ids in enumerate(prompts):
             k = int(self.group_sizer.group_size(step, i))
             if k < 2:
                 raise ValueError(f"group size {k} for prompt {i} of step {step}: a group needs at least 2 responses")
             requests.append(RolloutRequest(i, ids, k, self.sampling, request_seed(self.seed, step, i)))
-        return BatchPlan(step, requests, {i: rec.answer for i, rec in enumerate(records)})
+        return BatchPlan(step, requests, {i: rec.answer for i, (rec, _) in enumerate(records)},
+                         records={i: (rec.index, epoch) for i, (rec, epoch) in enumerate(records)})
+
+    def _draw(self, n: int) -> list:
+        """n (record, loader epoch) pairs: a resumed run's `redraw` prompts first, then the loader's."""
+        out = []
+        while self._redraw and len(out) < n:
+            index, epoch = self._redraw.pop(0)
+            out.append((self._records[index], epoch))
+        for _ in range(n - len(out)):
+            epoch = self.loader.epoch
+            (rec,) = self.loader.next_batch(1)
+            out.append((rec, epoch))
+        return out
 
     def state_dict(self, in_flight_after: int | None = None) -> dict:
         """What a checkpoint keeps of the planner: the loader's position, the group sizer's and

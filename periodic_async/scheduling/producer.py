@@ -15,6 +15,12 @@ the order they are released), `batch_done(step)` (the rollout statistics and the
 sizer's metrics), `update_weights(named, version)`, `planner_state(step)` for a checkpoint after
 `step`, `generate_eval(requests)` for validation, `close()`.
 
+Streaming (async with trainer.stream_slack > 0, stream.py): the batches' groups go into one
+stream instead of a queue per batch; step t takes the first B to finish whatever batch they belong
+to, each by its deadline (StreamOrder), `batch(t)` gives batch t's plan for the group sizes (every
+batch has B groups of one K), and `batch_done(t)` the statistics of the groups step t took and the
+metrics of the batches it finished taking.
+
 Weights: `update_weights` publishes a version and returns; the engines take it (with eta = 0
 nothing is generating then: the batch is over and the next one waits for these weights; with eta >
 0 the workers take it mid-generation, every token tagged with its version) and this thread
@@ -36,6 +42,7 @@ from .group_sizing import prompt_key
 from .mode import Mode
 from .plan import BatchPlan
 from .scorer import Scorer
+from .stream import StreamOrder
 
 
 @dataclass
@@ -74,6 +81,7 @@ class _Batch:
     lengths: list = field(default_factory=list)     # response lengths of each trained group
     keys: list = field(default_factory=list)        # and its prompt key (the sizer's feedback)
     metrics: dict = field(default_factory=dict)
+    finished: bool = False                          # its last request is in (streaming: may be retired)
 
 
 class Producer:
@@ -81,10 +89,11 @@ class Producer:
     rollout/colocated.ColocatedPool; `planner`: plan.BatchPlanner, whose state this thread owns
     while it runs; `prompt_counts()`: the skipped / truncated prompts since the last call;
     `queue_size`: no further batch is dispatched while this many groups wait for the trainer;
-    `weights_timeout_s`: how long a new version may wait for the engines to take the previous one."""
+    `weights_timeout_s`: how long a new version may wait for the engines to take the previous one;
+    `batch_size`: B, groups per step (streaming needs it)."""
 
     def __init__(self, pool, scorer: Scorer, planner, mode: Mode, first_step: int, last_step: int,
-                 prompt_counts, queue_size: int = 1024, weights_timeout_s: float = 600.0):
+                 prompt_counts, queue_size: int = 1024, weights_timeout_s: float = 600.0, batch_size: int = 0):
         self.pool, self.scorer, self.planner, self.mode = pool, scorer, planner, mode
         self.rule = mode.staleness
         self._next, self._last, self._prompt_counts, self._queue_size = first_step, last_step, prompt_counts, queue_size
@@ -107,6 +116,12 @@ class Producer:
         # would take the GIL from the trainer hundreds of times a second
         self._wake = threading.Event()
         self._stats = RolloutStats()
+        if mode.streaming and batch_size < 1:
+            raise ValueError("a streaming producer needs batch_size (groups per step)")
+        self._stream = StreamOrder(batch_size, mode.max_staleness) if mode.streaming else None
+        self._plans: dict[int, tuple] = {}          # streaming: step -> (plan, prompt counts) until batch(step)
+        self._took: dict[int, list] = {}            # streaming: step -> [(group, batch, t_dispatch, t_ready)]
+        self._t_ready: dict[int, float] = {}        # streaming: id(group) -> when it was ready
         # started by the trainer's first request (batch, generate_eval), not here: whatever is
         # set up after construction (a resumed planner's state, the colocated engine's weights)
         # is in place before the first batch is planned
@@ -122,6 +137,8 @@ class Producer:
     def batch(self, step: int) -> tuple[BatchPlan, dict]:
         """Batch `step`'s plan and prompt counts, once it is dispatched (blocks until then)."""
         self._ensure_started()
+        if self._stream is not None:
+            return self._stream_batch(step)
         with self._cond:
             while step not in self._batches:
                 if self._error is not None:
@@ -134,6 +151,9 @@ class Producer:
         return b.plan, b.prompt_counts
 
     def groups(self, step: int) -> Iterator[Group]:
+        if self._stream is not None:
+            yield from self._stream_groups(step)
+            return
         b = self._batches[step]
         while True:
             item = b.out.get()
@@ -149,6 +169,8 @@ class Producer:
     def batch_done(self, step: int) -> tuple[RolloutStats, dict]:
         """After `groups(step)` ended: the batch's rollout statistics and metrics (the plan's,
         the group sizer's); the batch is forgotten."""
+        if self._stream is not None:
+            return self._stream_done(step)
         with self._cond:
             b = self._batches.pop(step)
         with self._plan_lock:
@@ -166,6 +188,8 @@ class Producer:
         are not kept, and no prompt is lost or repeated). With a selection rule and eta > 0 the
         batches in flight may have drawn after that (commits, backfills during batch `step`): the
         state now, with the prompts the batches after `step` drew to be drawn again."""
+        if self._stream is not None:
+            return self._stream_planner_state()
         if self.mode.max_staleness > 0 and self.planner.selection is not None:
             with self._plan_lock:
                 return copy.deepcopy(self.planner.state_dict(in_flight_after=step))
@@ -230,15 +254,21 @@ class Producer:
                 self._cond.notify_all()
 
     def _dispatch_batches(self) -> None:
-        while (self._next <= self._last and self._waiting < self._queue_size
-               and self.rule.may_dispatch(self._next, self.pool.applied_version)):
+        while True:
+            version = self.pool.applied_version     # every worker holds it or newer
+            if not (self._next <= self._last and self._waiting < self._queue_size
+                    and self.rule.may_dispatch(self._next, version)):
+                return
             step = self._next
             with self._plan_lock, self._cond:
-                state = copy.deepcopy(self.planner.state_dict())
+                state = copy.deepcopy(self.planner.state_dict()) if self._stream is None else None
                 plan = self.planner.plan(step)
                 b = _Batch(plan, state, self._prompt_counts(), RolloutStats(t_dispatch=time.perf_counter()),
                            queue.Queue())
                 self._batches[step] = b
+                if self._stream is not None:
+                    self._stream.add_batch(step, plan.num_groups, version)
+                    self._plans[step] = (plan, b.prompt_counts)
                 self._next += 1
                 self._cond.notify_all()
             self._send(step, list(plan.requests))
@@ -333,6 +363,13 @@ class Producer:
     def _put(self, b: _Batch, groups: list[Group]) -> None:
         with self._cond:
             self._waiting += len(groups)
+            if self._stream is not None:
+                now = time.perf_counter()
+                for g in groups:
+                    self._t_ready[id(g)] = now
+                    self._stream.add_ready(b.plan.step, g)
+                self._cond.notify_all()
+                return
         for g in groups:
             b.out.put(g)
 
@@ -344,4 +381,74 @@ class Producer:
         b.metrics.update(self.planner.group_sizer.observe(step, b.lengths, b.keys))
         self._put(b, b.held + tail)
         b.held = []
+        b.finished = True
         b.out.put(_DONE)
+
+    # ------------------------------------------------------------------ streaming (stream.py)
+    def _stream_batch(self, step: int) -> tuple[BatchPlan, dict]:
+        with self._cond:
+            while step not in self._plans:
+                if self._error is not None:
+                    raise self._error
+                if step > self._last:
+                    raise ValueError(f"step {step} is beyond the producer's last step {self._last}")
+                self._cond.wait(0.1)
+            return self._plans.pop(step)
+
+    def _stream_groups(self, step: int) -> Iterator[Group]:
+        """Step `step`'s B groups as the stream order gives them, at positions 0..B-1."""
+        took = self._took.setdefault(step, [])
+        for k in range(self._stream.batch_size):
+            with self._cond:
+                while (got := self._stream.take(step, k)) is None:
+                    if self._error is not None:
+                        raise self._error
+                    self._cond.wait(0.1)
+                batch, group = got
+                self._waiting -= 1
+                took.append((group, batch, self._batches[batch].stats.t_dispatch, self._t_ready.pop(id(group))))
+            self._wake.set()
+            yield dataclasses.replace(group, group_index=k)
+
+    def _stream_done(self, step: int) -> tuple[RolloutStats, dict]:
+        """Step `step`'s statistics: of the groups it took (dispatch of the oldest batch they came
+        from to the last one ready; their results), with the reward time, faults and metrics of
+        the batches whose last group it took (retired here)."""
+        with self._cond:
+            took = self._took.pop(step)
+            retired = [u for u, b in self._batches.items() if b.finished and self._stream.done(u)]
+            batches = [self._batches.pop(u) for u in retired]
+            for u in retired:
+                self._stream.forget(u)
+        with self._plan_lock:
+            for u in retired:
+                self.planner.forget_step(u)
+        stats = RolloutStats(t_dispatch=min(t for _, _, t, _ in took), t_last_group=max(t for *_, t in took),
+                             results=[r for g, *_ in took for r in g.results])
+        metrics = {}
+        for b in batches:
+            stats.reward_s += b.stats.reward_s
+            stats.num_errors += b.stats.num_errors
+            stats.num_timeouts += b.stats.num_timeouts
+            stats.num_invalid += b.stats.num_invalid
+            stats.first_reward_error = stats.first_reward_error or b.stats.first_reward_error
+            metrics.update(b.plan.end_metrics())
+            metrics.update(b.metrics)
+        offsets = [batch - step for _, batch, _, _ in took]
+        metrics["stream/other_batch_ratio"] = sum(o != 0 for o in offsets) / len(offsets)
+        metrics["stream/batch_offset/mean"] = sum(offsets) / len(offsets)
+        metrics["stream/batch_offset/min"] = float(min(offsets))
+        metrics["stream/batch_offset/max"] = float(max(offsets))
+        self._stats = stats
+        return stats, metrics
+
+    def _stream_planner_state(self) -> dict:
+        """The planner now, with the prompts of every dispatched group not yet taken to be drawn
+        first by a resumed run (`redraw`, in batch and group order): none lost, none repeated.
+        Called between steps (no step is taking groups)."""
+        with self._plan_lock, self._cond:
+            state = copy.deepcopy(self.planner.state_dict(in_flight_after=self._last))
+            untrained = [list(b.plan.records[i]) for u, b in sorted(self._batches.items())
+                         for i in sorted(b.plan.records) if i not in self._stream.taken(u)]
+            state["redraw"] = untrained + state["redraw"]
+            return state

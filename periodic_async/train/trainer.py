@@ -67,7 +67,7 @@ class Trainer:
         self._records, self._val_records = self._read_inputs()    # rank 0's loader's; None elsewhere
         self.backend = get_backend(cfg.backend)
         self.memory_plan = self._check_memory(arch)
-        self.mode = Mode.of(cfg.trainer.mode, cfg.trainer.max_staleness)
+        self.mode = Mode.of(cfg.trainer.mode, cfg.trainer.max_staleness, cfg.trainer.stream_slack)
         self.rank, self.world, self.local_rank = self.backend.init_distributed()
         self.model_dir = self._prepare_run_dir()
         self.arch = arch_from_hf_dir(self.model_dir)
@@ -310,7 +310,7 @@ class Trainer:
                                                  self.device))
         return Producer(pool, scorer, self.planner, self.mode, first_step=self.start_step + 1,
                         last_step=cfg.trainer.total_steps, prompt_counts=self.prompts.pop_counts,
-                        queue_size=cfg.rollout.queue_size)
+                        queue_size=cfg.rollout.queue_size, batch_size=cfg.data.train_batch_size)
 
     def _build_pool(self, placements, initial):
         cfg = self.cfg
