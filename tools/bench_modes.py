@@ -2,7 +2,14 @@
 with its worker sharing the trainer's cores, the default, and on split cores).
 
     python tools/bench_modes.py [--config configs/default.yaml] [--steps 14] [--warmup 4]
-                                [--repeats 3] [--png docs/timeline_modes.png] [key=value ...]
+                                [--repeats 3] [--png docs/timeline_modes.png]
+                                [--variants sync,sync_split,periodic_split,periodic] [key=value ...]
+
+Besides the four named below, `--variants` takes async ones on split cores: `asyncE_split`
+(trainer.max_staleness E, each batch trained at its own step) and `streamE_split` (the same eta,
+streaming with trainer.stream_slack max(1, E // 2): a step takes the first groups to finish from
+any batch), both with decoupled PPO. Every variant is compared with sync_split and its bound;
+async ones with periodic_split too.
 
 Each run is a fresh `python -m periodic_async` process; the modes alternate within each repeat so
 that machine noise hits them alike. For each mode it prints tokens/s (whole job, steps after the
@@ -17,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -31,10 +39,27 @@ VARIANTS = {"sync": ("sync", []),
             "periodic": ("periodic", [])}
 MODES = list(VARIANTS)
 MAX_SLOT_LANES = 16
+DECOUPLED = ["actor.policy_loss=decoupled_ppo", "actor.behav_imp_weight_cap=5.0"]
 
 
-def run_once(config: str, variant: str, steps: int, run_dir: str, overrides: list[str]) -> list[dict]:
-    mode, extra = VARIANTS[variant]
+def variant(name: str) -> tuple[str, list[str]]:
+    """(trainer.mode, overrides) of a variant name (module docstring)."""
+    if name in VARIANTS:
+        return VARIANTS[name]
+    m = re.fullmatch(r"(async|stream)(\d+)_split", name)
+    if not m:
+        sys.exit(f"--variants: unknown variant '{name}' (one of {', '.join(VARIANTS)}, asyncE_split, streamE_split)")
+    eta = int(m.group(2))
+    extra = ["rollout.cpu_cores=split", f"trainer.max_staleness={eta}", *DECOUPLED]
+    if m.group(1) == "stream":
+        if eta < 1:
+            sys.exit(f"--variants: {name} needs eta >= 1")
+        extra.append(f"trainer.stream_slack={max(1, eta // 2)}")
+    return "async", extra
+
+
+def run_once(config: str, variant_name: str, steps: int, run_dir: str, overrides: list[str]) -> list[dict]:
+    mode, extra = variant(variant_name)
     cmd = [sys.executable, "-m", "periodic_async", "--config", config, f"trainer.mode={mode}", *extra,
            f"trainer.total_steps={steps}", f"trainer.run_dir={run_dir}", "trainer.progress_bar=false",
            "trainer.save_final=false", "trainer.record_timeline=true", "trainer.tensorboard=false", *overrides]
@@ -99,10 +124,64 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--png", default="docs/timeline_modes.png")
+    p.add_argument("--variants", default=",".join(MODES))
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     if args.warmup >= args.steps:
         sys.exit("--warmup must be smaller than --steps")
+    modes = [v for v in args.variants.split(",") if v]
+    for v in modes:
+        variant(v)
+    if modes == MODES:
+        return classic(args)
+    tmp = tempfile.mkdtemp(prefix="bench_modes_")
+    results = run_all(modes, args, tmp)
+    compare(modes, results, args)
+    print(f"runs: {tmp}")
+
+
+def run_all(modes: list[str], args, tmp: str) -> dict[str, list[dict]]:
+    """Every variant once per repeat, alternated."""
+    results: dict[str, list[dict]] = {m: [] for m in modes}
+    for r in range(args.repeats):
+        for mode in modes:
+            run_dir = os.path.join(tmp, f"{mode}_{r}")
+            s = summarise(run_once(args.config, mode, args.steps, run_dir, args.overrides), args.warmup)
+            results[mode].append(s)
+            print(f"[repeat {r + 1}/{args.repeats}] {mode:16s} {s['tokens_per_s']:9.0f} tokens/s  "
+                  f"step {s['step_s']:.3f} s  gen {s['gen_s']:.3f} s  train {s['train_s']:.3f} s", flush=True)
+    return results
+
+
+def compare(modes: list[str], results: dict, args) -> None:
+    """Per variant: median tokens/s and stage times, its ratio to sync_split and to periodic_split
+    per repeat (mean and range), and the share of sync_split's overlap bound it reaches."""
+    def ratios(a, b):
+        return [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(results[a], results[b])]
+
+    def spread(xs):
+        return f"{statistics.fmean(xs):.2f}x ({min(xs):.2f}-{max(xs):.2f})"
+    bounds = ([(s["gen_s"] + s["train_s"]) / max(s["gen_s"], s["train_s"]) for s in results["sync_split"]]
+              if "sync_split" in results else None)
+    print(f"\n{args.repeats} repeats, steps {args.warmup + 1}-{args.steps} of each run (config {args.config} "
+          f"{' '.join(args.overrides)})")
+    print("| variant | tokens/s (median) | step s | T_gen s | T_train s | trainer idle | x sync_split | "
+          "of the bound | x periodic_split |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for m in modes:
+        med = {k: statistics.median(x[k] for x in results[m]) for k in results[m][0]}
+        vs_sync = ratios(m, "sync_split") if bounds else None
+        of_bound = [r / b for r, b in zip(vs_sync, bounds)] if bounds else None
+        vs_per = ratios(m, "periodic_split") if "periodic_split" in results else None
+        print(f"| {m} | {med['tokens_per_s']:.0f} | {med['step_s']:.3f} | {med['gen_s']:.3f} | {med['train_s']:.3f} | "
+              f"{med['trainer_idle']:.2f} | {spread(vs_sync) if vs_sync else '-'} | "
+              f"{f'{statistics.fmean(of_bound):.0%}' if of_bound else '-'} | {spread(vs_per) if vs_per else '-'} |")
+    if bounds:
+        print(f"\noverlap bound (T_gen + T_train) / max from sync_split: {spread(bounds)}")
+
+
+def classic(args) -> None:
+    """The four modes of the default comparison, with the timeline PNG."""
     tmp = tempfile.mkdtemp(prefix="bench_modes_")
     results: dict[str, list[dict]] = {m: [] for m in MODES}
     for r in range(args.repeats):
