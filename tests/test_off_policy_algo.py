@@ -137,17 +137,26 @@ def test_effective_sample_size_hand_values():
     assert vc.ess_ratio(0.0, 0.0, 0) == 1.0
 
 
-def test_lr_scale_floor_and_ceiling():
-    assert vc.lr_scale(0.5) == 0.5
-    assert vc.lr_scale(0.05, floor=0.1) == 0.1
-    assert vc.lr_scale(0.3, floor=0.1) == 0.3
-    assert vc.lr_scale(1.0) == 1.0
-    assert vc.lr_scale(1.2) == 1.0
+def test_lr_scale_rules_floor_and_ceiling():
+    # sqrt (VCPO's official rule): sqrt(min(1, ratio / base))
+    assert vc.lr_scale(0.25) == 0.5
+    assert vc.lr_scale(0.25, base=0.5) == pytest.approx(0.5 ** 0.5)
+    assert vc.lr_scale(0.6, base=0.55) == 1.0          # above the base: the full lr
+    assert vc.lr_scale(0.01, floor=0.2) == 0.2
+    # linear (the earlier rule)
+    assert vc.lr_scale(0.5, rule="linear") == 0.5
+    assert vc.lr_scale(0.05, floor=0.1, rule="linear") == 0.1
+    assert vc.lr_scale(0.3, floor=0.1, rule="linear") == 0.3
+    assert vc.lr_scale(0.3, rule="linear", base=0.6) == 0.5
+    for rule in ("sqrt", "linear"):
+        assert vc.lr_scale(1.0, rule=rule) == 1.0 and vc.lr_scale(1.2, rule=rule) == 1.0
+    with pytest.raises(ValueError, match="actor.vcpo_lr_scale_rule: unknown 'log'"):
+        vc.lr_scale(0.5, rule="log")
 
 
 def test_min_variance_baseline_hand_values():
-    # rewards (1, 0, 0, 1), rho (3, 1, 1, 1): b* = (3 + 1) / 6 = 2/3
-    assert vc.min_variance_baseline([1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 1.0, 1.0]) == pytest.approx(2 / 3)
+    # rewards (1, 0, 0, 1), rho (3, 1, 1, 1): rho^2 (9, 1, 1, 1), b* = (9 + 1) / 12 = 5/6
+    assert vc.min_variance_baseline([1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 1.0, 1.0]) == pytest.approx(5 / 6)
     assert vc.min_variance_baseline([1.0, 0.0, 0.0, 1.0], [2.0] * 4) == 0.5         # equal rho: the mean
     assert vc.min_variance_baseline([0.2, 0.7, 0.4], [0.3] * 3) == pytest.approx((0.2 + 0.7 + 0.4) / 3)
     with pytest.raises(ValueError, match="importance ratios must be >= 0"):
@@ -158,7 +167,7 @@ def test_min_variance_baseline_hand_values():
 
 def test_vcpo_baseline_estimator():
     (adv,) = compute_advantages("vcpo_baseline", [[1.0, 0.0, 0.0, 1.0]], group_rhos=[[3.0, 1.0, 1.0, 1.0]])
-    assert adv == pytest.approx([1 / 3, -2 / 3, -2 / 3, 1 / 3])
+    assert adv == pytest.approx([1 / 6, -5 / 6, -5 / 6, 1 / 6])
     # without ratios (on-policy) or with equal ones: grpo without the std division (the group mean)
     rewards = [[0.3, 0.9, 0.1], [1.0, 0.0]]
     no_std = AlgoConfig(norm_adv_by_std_in_grpo=False)
@@ -282,7 +291,7 @@ def test_actor_decoupled_ppo_and_vcpo_lr_scale(tmp_path, megatron_tp1):
     stale = _actor(model_dir, policy_loss="decoupled_ppo", vcpo_lr_scale=True, vcpo_lr_scale_min=0.05)
     m = stale.train_micro_step(mb, 9.0)
     scale = m["vcpo/lr_scale"]
-    assert 0.05 <= scale < 0.99 and scale == pytest.approx(max(0.05, m["vcpo/ess_ratio"]))
+    assert 0.05 <= scale < 0.99 and scale == pytest.approx(max(0.05, m["vcpo/ess_ratio"] ** 0.5))
     assert m["ppo/behave_imp_weight/max"] >= m["ppo/behave_imp_weight/mean"] > 0
     step = stale.optimizer_step()
     assert step["actor/lr"] == 1e-2 and stale._lr_scale == 1.0                 # restored, consumed
@@ -310,7 +319,7 @@ def test_min_variance_advantages_on_tensors_equal_the_float_estimator():
         (adv,) = compute_advantages("vcpo_baseline", [rewards[idx].tolist()], group_rhos=[rho[idx].tolist()])
         want[idx] = torch.tensor(adv)
     torch.testing.assert_close(got, want)
-    assert got[:2].tolist() == pytest.approx([1 / 3, -2 / 3]) and got[6:].tolist() == pytest.approx([0.15, -0.15])
+    assert got[:2].tolist() == pytest.approx([1 / 6, -5 / 6]) and got[6:].tolist() == pytest.approx([0.15, -0.15])
 
 
 @pytest.mark.parametrize("loss_name", ["grpo", "decoupled_ppo"])
@@ -321,7 +330,7 @@ def test_loss_with_rewards_and_groups_equals_the_loss_with_baseline_advantages(l
     rewards, groups = torch.tensor([1.0, 0.0, 0.5]), torch.tensor([0, 0, 1])
     rho = algo.sequence_importance_ratios(t["old_logp"], t["rollout_logp"], t["mask"])
     assert not torch.allclose(rho[:2], torch.ones(2))        # the ratios matter here
-    baseline = float((rho[:2] * rewards[:2]).sum() / rho[:2].sum())
+    baseline = float((rho[:2] ** 2 * rewards[:2]).sum() / (rho[:2] ** 2).sum())
     want_adv = torch.tensor([1.0 - baseline, 0.0 - baseline, 0.0])[:, None].expand(3, 7).contiguous()
     cfg = ActorConfig(policy_loss=loss_name, entropy_coef=0.01)
     loss, metrics, g_logp, _ = _run(loss_name, cfg, {**t, "rewards": rewards, "group_ids": groups}, 7.0)
@@ -337,3 +346,53 @@ def test_vcpo_baseline_needs_whole_groups_per_micro_batch():
     with pytest.raises(ConfigError, match=r"actor.micro_batch_size \(6\) must be a multiple of rollout.n \(4\)"):
         load_config(DEFAULT, ["algo.adv_estimator=vcpo_baseline", "actor.micro_batch_size=6",
                               "rollout.n=4"]).validate(world_size=1)
+
+
+def test_min_variance_baseline_minimises_the_weighted_gradient_variance():
+    """With equal score norms, b* = sum rho^2 R / sum rho^2 minimises sum_i rho_i^2 (R_i - b)^2 (the
+    second moment of the importance-weighted terms rho_i (R_i - b) g_i): no b on a fine grid does
+    better (the earlier sum rho R / sum rho does worse whenever the ratios differ)."""
+    import random
+    rng = random.Random(0)
+    for _ in range(20):
+        rewards = [float(rng.random() < 0.5) for _ in range(8)]
+        rhos = [rng.lognormvariate(0.0, 1.0) for _ in range(8)]
+        second_moment = lambda b: sum(r * r * (x - b) ** 2 for r, x in zip(rhos, rewards))  # noqa: E731
+        best = vc.min_variance_baseline(rewards, rhos)
+        assert all(second_moment(best) <= second_moment(i / 200) + 1e-12 for i in range(201))
+
+
+def test_rewards_reach_the_loss_divided_by_the_group_std():
+    """algo.norm_adv_by_std_in_grpo with vcpo_baseline: train/step.py hands the loss each reward
+    divided by its group's population std (1 when the std is under 1e-8, as VCPO's official code),
+    so the loss's R - b* is (R - b*) / std. Groups: rewards (1, 0, 0, 1) (std 0.5) and (1, 1) (std 0)."""
+    from periodic_async.rollout.base import RolloutResult
+    from periodic_async.scheduling.group import Group
+    from periodic_async.train.step import BatchResult, _micro_batches
+    groups = {0: [1.0, 0.0, 0.0, 1.0], 1: [1.0, 1.0]}
+
+    class Feed:
+        sizes, n = {0: 4, 1: 2}, 2
+
+        def __init__(self):
+            self.i = 0
+
+        def get(self):
+            g, self.i = self.i, self.i + 1
+            results = [RolloutResult(g, k, [1, 2], [3], [-0.5], "length", 0) for k in range(len(groups[g]))]
+            return Group(g, [1, 2], "", results, groups[g], [0.0] * len(groups[g]))
+
+    class Actor:
+        def pack(self, samples):
+            from periodic_async.actor.packing import pack_micro_batch
+            return pack_micro_batch(samples, 0)
+
+    def rewards(by_std):
+        mbs = list(_micro_batches(Actor(), Feed(), {0: 0, 1: 0}, 0, lambda g: None, 6, BatchResult({}, []),
+                                  with_rewards=True, rewards_by_std=by_std))
+        return [x for mb in mbs for x in mb.rewards.tolist()]
+    assert rewards(True) == [2.0, 0.0, 0.0, 2.0, 1.0, 1.0]
+    assert rewards(False) == [1.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    rho = torch.tensor([3.0, 1.0, 1.0, 1.0])
+    adv = algo.losses.min_variance_advantages(torch.tensor([2.0, 0.0, 0.0, 2.0]), torch.zeros(4, dtype=torch.long), rho)
+    assert adv.tolist() == pytest.approx([(1 - 5 / 6) / 0.5, -5 / 6 / 0.5, -5 / 6 / 0.5, (1 - 5 / 6) / 0.5])

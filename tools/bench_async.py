@@ -7,11 +7,9 @@
 Runs, each a fresh `python -m periodic_async` process, in a fixed alternating order per repeat:
 periodic (strictly on-policy, GRPO loss), then for each eta `async` with trainer.max_staleness =
 eta and AReaL's decoupled PPO (behaviour-weight cap 5), without and/or with VCPO's
-learning-rate control (actor.vcpo_lr_scale: the step's learning rate times ESS / N). VCPO's
-baseline (algo.adv_estimator vcpo_baseline, r - b*) is left out by default: it drops GRPO's
-division by the group's std, which changes the advantage scale the configs' learning rate was tuned
-for, so the comparison would measure that; `--vcpo-baseline` adds it and turns the std division
-off for every variant (periodic included) to keep them comparable.
+learning-rate control (actor.vcpo_lr_scale: the step's learning rate times sqrt(ESS / N)).
+`--vcpo-baseline` adds VCPO's baseline (algo.adv_estimator vcpo_baseline, (r - b*) / std) to the
+VCPO variants; like GRPO's it divides by the group's std, so the advantage scale is comparable.
 
 Per run: wall-clock (the sum of `timing_s/step`: the trainer's view, validation excluded),
 throughput (tokens of the trained samples per second of that wall-clock), the speed-up over
@@ -36,7 +34,6 @@ from bench_allocation import ROOT, run_once  # noqa: E402 - the same subprocess 
 DECOUPLED = ["actor.policy_loss=decoupled_ppo", "actor.behav_imp_weight_cap=5.0"]
 VCPO = ["actor.vcpo_lr_scale=true"]
 VCPO_BASELINE = ["algo.adv_estimator=vcpo_baseline"]
-NO_STD = ["algo.norm_adv_by_std_in_grpo=false"]
 
 
 def variants(etas: list[int], vcpo: str, baseline: bool = False) -> dict[str, tuple[str, list[str]]]:
@@ -128,7 +125,7 @@ def main() -> None:
     p.add_argument("--etas", default="1,2,4,8")
     p.add_argument("--vcpo", default="both", choices=("both", "off", "on"))
     p.add_argument("--vcpo-baseline", action="store_true",
-                   help="VCPO variants also use the r - b* baseline; every variant then drops the std division")
+                   help="VCPO variants also use the (r - b*) / std baseline")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--val-size", type=int, default=128)
     p.add_argument("--png", default=None)
@@ -140,7 +137,7 @@ def main() -> None:
     args = p.parse_args()
     etas = [int(e) for e in args.etas.split(",") if e]
     val_key = "val-core/synthetic/reward/mean@4"
-    overrides = [*(NO_STD if args.vcpo_baseline else []), f"data.val_size={args.val_size}", "trainer.val_n=4",
+    overrides = [f"data.val_size={args.val_size}", "trainer.val_n=4",
                  *args.overrides]
     root = args.keep_runs or tempfile.mkdtemp(prefix="bench_async_")
     results = {}

@@ -347,8 +347,9 @@ class TriModelActor:
         if finalize is not None:
             out = finalize(out)
         if getattr(self.cfg, "vcpo_lr_scale", False):
-            # VCPO: the next optimizer step's learning rate is scaled by this batch's ESS / N
-            self._lr_scale = lr_scale(out.get("vcpo/ess_ratio", 1.0), self.cfg.vcpo_lr_scale_min)
+            # VCPO: the next optimizer step's learning rate is scaled with this batch's ESS / N
+            self._lr_scale = lr_scale(out.get("vcpo/ess_ratio", 1.0), self.cfg.vcpo_lr_scale_min,
+                                      self.cfg.vcpo_lr_scale_rule, self.cfg.vcpo_lr_scale_base)
             out["vcpo/lr_scale"] = self._lr_scale
         return out
 

@@ -66,10 +66,10 @@ def rloo_advantages(rewards: Sequence[float], cfg=None) -> list[float]:
 @register_adv_estimator("vcpo_baseline")
 def min_variance_baseline_advantages(rewards: Sequence[float], cfg=None,
                                      rhos: Optional[Sequence[float]] = None) -> list[float]:
-    """VCPO's REINFORCE advantages A_i = r_i - b*, b* = sum(rho_i r_i) / sum(rho_i) over the group
-    (variance_control.min_variance_baseline), rho_i = sequence i's pi_prox / pi_behav. Without
-    ratios (on-policy: all rho = 1) b* is the group mean, i.e. grpo with
-    norm_adv_by_std_in_grpo: false."""
+    """VCPO's REINFORCE advantages A_i = r_i - b*, b* = sum(rho_i^2 r_i) / sum(rho_i^2) over the
+    group (variance_control.min_variance_baseline), rho_i = sequence i's pi_prox / pi_behav. Without
+    ratios (on-policy: all rho = 1) b* is the group mean. (Trained, the loss computes it from the
+    ratios, on rewards divided by the group's std when algo.norm_adv_by_std_in_grpo: train/step.py.)"""
     baseline = min_variance_baseline(rewards, [1.0] * len(rewards) if rhos is None else rhos)
     return [x - baseline for x in rewards]
 

@@ -228,12 +228,12 @@ def sequence_importance_ratios(prox_logp: torch.Tensor, behav_logp: torch.Tensor
 
 
 def min_variance_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
-    """VCPO's A_i = R_i - b*_g, b*_g = sum_{j in g} rho_j R_j / sum_{j in g} rho_j over each
+    """VCPO's A_i = R_i - b*_g, b*_g = sum_{j in g} rho_j^2 R_j / sum_{j in g} rho_j^2 over each
     response's group g (variance_control.min_variance_baseline, on tensors); a group whose ratios
-    sum to 0 falls back to its mean. rewards, rho [rows] float, group_ids [rows] long -> [rows]."""
+    are all 0 falls back to its mean. rewards, rho [rows] float, group_ids [rows] long -> [rows]."""
     _, g = torch.unique(group_ids, return_inverse=True)                             # [rows] in 0..G-1
     n = int(g.max()) + 1 if g.numel() else 0
-    rho = rho.to(rewards.dtype)
+    rho = rho.to(rewards.dtype).square()
     zeros = rewards.new_zeros(n)
     rho_sum = zeros.scatter_add(0, g, rho)
     weighted = zeros.scatter_add(0, g, rho * rewards) / rho_sum.clamp_min(1e-30)

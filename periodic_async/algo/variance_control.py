@@ -7,7 +7,15 @@ rho_i = pi_prox(y_i | x_i) / pi_behav(y_i | x_i) = exp(sum_t log pi_prox - log p
 level: the product of its per-token ratios). A few large ratios make the gradient estimate noisy;
 the effective sample size ESS = (sum rho)^2 / sum rho^2 (Kish) says how many equally weighted
 samples the batch is worth: N for identical policies, 1 when one sequence carries all the weight.
-VCPO scales the step's learning rate by ESS / N and centres rewards on the rho-weighted baseline.
+VCPO scales the step's learning rate with ESS / N and centres rewards on a baseline that minimises
+the importance-weighted gradient's variance.
+
+Against the official code (mit-han-lab/vcpo, recipe/fully_async_policy; the paper's body was not
+available here): the lr rule is theirs, lr * sqrt(min(1, (ESS / N) / base)) for Adam-style
+optimizers (`lr_scale`, rule "sqrt"; "linear" is our earlier ESS / N); the floor is our addition
+(0 by default). Their baseline weighs each response by rho_i^2 ||grad log pi(y_i)||^2, which needs
+one backward pass per sequence; ours takes the score norms as equal, b* = sum rho^2 R / sum rho^2
+(`min_variance_baseline`). Both divide R - b* by the group's reward std (algo.norm_adv_by_std_in_grpo).
 
 Torch-free (plain floats): the scheduling side computes advantages without torch, and the actor
 combines sums reduced over micro-batches and ranks (`ess_ratio` from `rho_sum`, `rho_sq_sum`).
@@ -43,21 +51,28 @@ def ess_ratio(rho_sum: float, rho_sq_sum: float, num_sequences: float) -> float:
     return min(1.0, ess_from_sums(rho_sum, rho_sq_sum) / num_sequences)
 
 
-def lr_scale(ratio: float, floor: float = 0.0) -> float:
-    """The step's learning-rate multiplier (`vcpo/lr_scale`): ESS / N, raised to `floor` (so a
-    badly stale batch still moves the policy) and never above 1."""
-    return min(1.0, max(floor, ratio))
+LR_SCALE_RULES = ("sqrt", "linear")
+
+
+def lr_scale(ratio: float, floor: float = 0.0, rule: str = "sqrt", base: float = 1.0) -> float:
+    """The step's learning-rate multiplier (`vcpo/lr_scale`) from ESS / N = `ratio`: sqrt(min(1,
+    ratio / base)) (the official code's rule for Adam-style optimizers) or min(1, ratio / base)
+    ("linear"), raised to `floor` (so a badly stale batch still moves the policy), never above 1."""
+    if rule not in LR_SCALE_RULES:
+        raise ValueError(f"actor.vcpo_lr_scale_rule: unknown '{rule}'; allowed: {', '.join(LR_SCALE_RULES)}")
+    x = min(1.0, ratio / base)
+    return min(1.0, max(floor, math.sqrt(x) if rule == "sqrt" else x))
 
 
 def min_variance_baseline(rewards: Sequence[float], rhos: Sequence[float]) -> float:
-    """b* = sum(rho_i R_i) / sum(rho_i): the closed-form baseline that minimises the variance of the
-    importance-weighted policy gradient over the group (rewards re-weighted to the proximal
-    policy). Equal ratios give the plain group mean."""
+    """b* = sum(rho_i^2 R_i) / sum(rho_i^2) over the group: the b minimising the variance of the
+    importance-weighted gradient sum_i rho_i (R_i - b) g_i when the score norms |g_i| are equal
+    (the official code weighs by rho_i^2 |g_i|^2). Equal ratios give the plain group mean."""
     if len(rewards) != len(rhos):
         raise ValueError(f"{len(rewards)} rewards but {len(rhos)} importance ratios")
     if any(not r >= 0.0 for r in rhos):
         raise ValueError(f"importance ratios must be >= 0, got {list(rhos)}")
-    total = math.fsum(rhos)
+    total = math.fsum(r * r for r in rhos)
     if total <= 0.0:
         return math.fsum(rewards) / len(rewards)
-    return math.fsum(r * x for r, x in zip(rhos, rewards)) / total
+    return math.fsum(r * r * x for r, x in zip(rhos, rewards)) / total

@@ -184,8 +184,9 @@ class RolloutConfig:
 class AlgoConfig:
     # How each scored group's rewards become advantages: a name in periodic_async.algo.ADV_ESTIMATORS
     # (grpo: (r - mean) / (std + adv_eps); rloo: r - mean of the others; vcpo_baseline: r - b*,
-    # VCPO's baseline weighted by each response's pi_prox / pi_behav, computed in the loss -
-    # the plain group mean when on-policy; actor.micro_batch_size a multiple of rollout.n).
+    # VCPO's baseline weighted by each response's (pi_prox / pi_behav)^2, computed in the loss -
+    # the plain group mean when on-policy - and divided by the group's std under
+    # norm_adv_by_std_in_grpo; actor.micro_batch_size a multiple of rollout.n).
     adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True  # false: grpo advantages are r - mean (Dr. GRPO)
     adv_eps: float = 1.0e-6               # added to the group's std before dividing
@@ -215,11 +216,14 @@ class ActorConfig:
     # decoupled_ppo only: tokens whose pi_prox / pi_behav exceeds this are masked out of the policy
     # gradient (AReaL's behav_imp_weight_cap; > 1). None: no cap.
     behav_imp_weight_cap: Optional[float] = None
-    # VCPO: scale each optimizer step's lr by the batch's ESS / N of the sequence-level ratios
-    # pi_prox / pi_behav (needs a policy loss that reports them: decoupled_ppo), floored at
-    # vcpo_lr_scale_min (in [0, 1]).
+    # VCPO: scale each optimizer step's lr with the batch's ESS / N of the sequence-level ratios
+    # pi_prox / pi_behav (needs a policy loss that reports them: decoupled_ppo): by
+    # sqrt(min(1, (ESS / N) / vcpo_lr_scale_base)) (rule sqrt, VCPO's official code) or
+    # min(1, (ESS / N) / base) (linear), floored at vcpo_lr_scale_min (in [0, 1]; our addition).
     vcpo_lr_scale: bool = False
     vcpo_lr_scale_min: float = 0.0
+    vcpo_lr_scale_rule: str = "sqrt"
+    vcpo_lr_scale_base: float = 1.0     # (0, 1]: the official MATH recipe 1.0, the multi-turn one 0.55
     # Rollout / training mismatch correction, off by default; its metrics (rollout_corr/*) are
     # reported every step whatever these switches
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)

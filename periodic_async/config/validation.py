@@ -304,6 +304,9 @@ def check_off_policy_keys(actor: Any, policy_losses: dict) -> None:
                               f"got '{actor.policy_loss}'")
     if not 0.0 <= actor.vcpo_lr_scale_min <= 1.0:
         raise ConfigError(f"actor.vcpo_lr_scale_min: must be in [0, 1], got {actor.vcpo_lr_scale_min}")
+    _choice("actor.vcpo_lr_scale_rule", actor.vcpo_lr_scale_rule, ("sqrt", "linear"))
+    if isinstance(actor.vcpo_lr_scale_base, bool) or not 0.0 < actor.vcpo_lr_scale_base <= 1.0:
+        raise ConfigError(f"actor.vcpo_lr_scale_base: must be in (0, 1], got {actor.vcpo_lr_scale_base!r}")
     if actor.vcpo_lr_scale and "vcpo/rho_sum" not in getattr(policy_losses.get(actor.policy_loss), "metric_keys", ()):
         raise ConfigError(f"actor.vcpo_lr_scale: needs a policy loss that reports the importance ratios' ESS "
                           f"(decoupled_ppo), got actor.policy_loss '{actor.policy_loss}'")

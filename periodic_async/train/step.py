@@ -11,6 +11,7 @@ floating-point summation order. Epochs 2.. replay the stored micro-batches again
 """
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -43,14 +44,17 @@ class BatchResult:
 
 def _micro_batches(actor, feed: GroupFeed, owner: dict[int, int], dp_rank: int, check_group,
                    micro_batch_size: int, out: BatchResult, seat=None, num_micro_batches: int = 0,
-                   with_rewards: bool = False, overlong_filter: bool = False, budget: TokenBudget | None = None):
+                   with_rewards: bool = False, overlong_filter: bool = False, budget: TokenBudget | None = None,
+                   rewards_by_std: bool = False):
     """Packed micro-batches of this DP rank's groups as they arrive (the split rule:
     dp_assignment.cut_micro_batches), then loss-free padding up to `num_micro_batches` when groups
     came empty (positions an allocator did not fill). Every group of the batch is received (and
     checked, and kept in `out.groups`), this rank's or not. `seat` (backend.CoreSeat, cpu only):
     cores shared with the rollout workers - given up while waiting for a group, re-divided before
     each micro-step. `with_rewards`: the samples carry their reward and group (the loss re-centres
-    the advantages, vcpo_baseline), and every micro-batch must hold whole groups.
+    the advantages, vcpo_baseline), and every micro-batch must hold whole groups; `rewards_by_std`:
+    each divided by its group's reward std (population; not when under 1e-8, as VCPO's official code),
+    so that the loss's R - b* comes out divided by it (b* is linear in the rewards).
     `overlong_filter`: responses cut at max_new_tokens carry no loss (DAPO's overlong filtering).
     `budget`: cut by tokens (TokenBudget) instead of every micro_batch_size samples."""
     received = 0
@@ -76,9 +80,13 @@ def _micro_batches(actor, feed: GroupFeed, owner: dict[int, int], dp_rank: int, 
             g = next_group()
             if owner[g.group_index] == dp_rank:
                 remaining -= 1
+                scale = 1.0
+                if with_rewards and rewards_by_std and g.rewards:
+                    std = statistics.pstdev(g.rewards)
+                    scale = 1.0 / std if std > 1e-8 else 1.0
                 yield [TrainSample(r.prompt_ids, r.response_ids, a, r.logprobs, r.policy_version,
-                                   reward=rw if with_rewards else None, group=g.group_index if with_rewards else None,
-                                   in_loss=in_loss(r, overlong_filter))
+                                   reward=rw * scale if with_rewards else None,
+                                   group=g.group_index if with_rewards else None, in_loss=in_loss(r, overlong_filter))
                        for r, a, rw in zip(g.results, g.advantages, g.rewards)]
 
     def split(sample):
@@ -137,10 +145,11 @@ def _tee(iterator, keep: list):
 
 def train_batch(actor, feed: GroupFeed, cfg, dp_rank: int, dp_size: int, check_group, seat=None,
                 with_rewards: bool = False, loss_scale_factor: float | None = None,
-                budget: TokenBudget | None = None) -> BatchResult:
+                budget: TokenBudget | None = None, rewards_by_std: bool = False) -> BatchResult:
     """Train on one batch: `cfg` the ActorConfig; `check_group(group)` raises on a group that may
     not be trained on (the staleness rule). Every group reaches every rank (feed); this DP rank
-    trains on those `assign_groups` gives it. `seat`, `with_rewards`, `budget`: see _micro_batches."""
+    trains on those `assign_groups` gives it. `seat`, `with_rewards`, `budget`, `rewards_by_std`: see
+    _micro_batches."""
     owner = assign_groups(feed.sizes, dp_size)
     if budget is not None:
         n_mb = budget.num_micro_batches(feed.sizes, owner, dp_size)
@@ -152,7 +161,7 @@ def train_batch(actor, feed: GroupFeed, cfg, dp_rank: int, dp_size: int, check_g
     keep = [] if cfg.ppo_epochs > 1 else None
     overlong_filter = getattr(cfg, "overlong_filter", False)
     stream = _micro_batches(actor, feed, owner, dp_rank, check_group, cfg.micro_batch_size, out, seat, n_mb,
-                            with_rewards, overlong_filter, budget)
+                            with_rewards, overlong_filter, budget, rewards_by_std)
     if keep is not None:
         stream = _tee(stream, keep)
     t0 = time.perf_counter()

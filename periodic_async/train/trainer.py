@@ -351,7 +351,8 @@ class Trainer:
         batch = train_batch(self.actor, feed, cfg.actor, self.dp_rank, self.dp_size, self._check_group,
                             seat=self.core_seat, with_rewards=self._importance_baseline,
                             loss_scale_factor=cfg.actor.loss_scale_factor or cfg.rollout.max_new_tokens,
-                            budget=self.token_budget)
+                            budget=self.token_budget,
+                            rewards_by_std=self._importance_baseline and cfg.algo.norm_adv_by_std_in_grpo)
         t_batch_end = time.perf_counter()
         metrics = dict(batch.metrics)
         metrics["timing_s/update_actor"] = batch.train_s
