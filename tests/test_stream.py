@@ -5,7 +5,8 @@ The order on its own (torch-free, a discrete-event simulation of dispatch, long-
 and training with random durations): every group trained exactly once, each within eta versions of
 its batch's dispatch version, no step waiting for nothing; with slack a step does take later
 batches' groups. (Slack 0 does not use this order: the producer's batch-bound path.) Then the producer and trainer end to end (tests/test_async.py
-style): the bound, every prompt once, and a resume that loses and repeats nothing.
+style): the bound, every prompt once, a straggler that no longer holds its step, a killed worker
+and a resume that lose and repeat nothing.
 """
 import heapq
 import random
@@ -124,7 +125,7 @@ def test_a_group_past_its_deadline_raises():
 
 
 # ---------------------------------------------------------------------- the producer and trainer
-from helpers import stop_after_step  # noqa: E402
+from helpers import kill_worker_after_publish, stop_after_step  # noqa: E402
 from test_async import ASYNC, _record_prompts  # noqa: E402
 from test_periodic import _run  # noqa: E402
 
@@ -215,6 +216,23 @@ def test_a_resumed_streaming_run_loses_and_repeats_no_prompt(periodic_prompts, t
     _, history, _ = _run(tmp_path, "async", *STREAM, hook=lambda t: _record_prompts(t, second))
     assert len(history) == 4 and len(first) == 16
     assert sorted(p for _, p in first + second) == periodic_prompts
+
+
+def test_a_worker_killed_mid_stream_loses_nothing(periodic_prompts, tmp_path):
+    """Worker 0 SIGKILLed right after version 2 is published, while batches run ahead: it is
+    restarted, its owed samples re-dispatched, and the run still trains every prompt of the
+    periodic schedule once, within the bound."""
+    killed, seen = {}, []
+
+    def hook(trainer):
+        _record_prompts(trainer, seen)
+        kill_worker_after_publish(killed, version=2, worker=0)(trainer)
+    _, history, _ = _run(tmp_path, "async", *STREAM, "rollout.worker_timeout_s=30", hook=hook)
+    assert killed, "the hook never ran"
+    assert history[-1]["rollouter/restarts"] == 1
+    assert all(h["rollout/generated"] == 32 and h["training/off_policy/trajectory_staleness/max"] <= 2
+               for h in history)
+    assert sorted(p for _, p in seen) == periodic_prompts
 
 
 @pytest.mark.parametrize("overrides, message", [
