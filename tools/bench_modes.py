@@ -183,15 +183,7 @@ def compare(modes: list[str], results: dict, args) -> None:
 def classic(args) -> None:
     """The four modes of the default comparison, with the timeline PNG."""
     tmp = tempfile.mkdtemp(prefix="bench_modes_")
-    results: dict[str, list[dict]] = {m: [] for m in MODES}
-    for r in range(args.repeats):
-        for mode in MODES:
-            run_dir = os.path.join(tmp, f"{mode}_{r}")
-            s = summarise(run_once(args.config, mode, args.steps, run_dir, args.overrides), args.warmup)
-            results[mode].append(s)
-            print(f"[repeat {r + 1}/{args.repeats}] {mode:10s} {s['tokens_per_s']:9.0f} tokens/s  "
-                  f"step {s['step_s']:.3f} s  gen {s['gen_s']:.3f} s  train {s['train_s']:.3f} s", flush=True)
-
+    results = run_all(MODES, args, tmp)
     med = {m: {k: statistics.median(x[k] for x in results[m]) for k in results[m][0]} for m in MODES}
     # Ratios are taken within each repeat (runs next to each other in time see the same machine
     # speed), then the median over repeats: this machine's speed drifts by tens of percent.
