@@ -384,13 +384,9 @@ def test_build_group_sizer_and_planner_call_begin_step_once_per_step():
     sizer = build_group_sizer(RolloutConfig(n=8, group_sizing="sagc"))
     assert isinstance(sizer, StragglerAwareGroupSize) and sizer.size == 8
 
-    class Loader:
-        records = [PromptRecord(f"{i}=", str(i), i) for i in range(5)]
-
-        def next_batch(self):
-            return self.records
-
-    planner = BatchPlanner(Loader(), lambda rec: [ord(c) for c in rec.prompt], SamplingParams(), seed=1,
+    from periodic_async.data.dataset import PromptLoader
+    loader = PromptLoader([PromptRecord(f"{i}=", str(i), i) for i in range(5)], batch_size=5, shuffle=False)
+    planner = BatchPlanner(loader, lambda rec: [ord(c) for c in rec.prompt], SamplingParams(), seed=1,
                            group_sizer=sizer)
     plan = planner.plan(1)
     assert set(plan.group_sizes.values()) == {sizer.size} and sizer.step == 1

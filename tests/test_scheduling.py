@@ -2,6 +2,7 @@
 groups, micro-batch counts, and the one staleness rule."""
 import pytest
 
+from periodic_async.data.dataset import PromptLoader
 from periodic_async.data.records import PromptRecord
 from periodic_async.rollout.base import SamplingParams
 from periodic_async.scheduling.plan import BatchPlanner, request_seed
@@ -13,16 +14,13 @@ from periodic_async.train.step import num_micro_batches
 from helpers import CyclingGroupSize
 
 
-class _Loader:
-    def __init__(self, n):
-        self.records = [PromptRecord(f"{i}=", str(i), i) for i in range(n)]
-
-    def next_batch(self):
-        return self.records
+def _loader(n):
+    """The real loader, unshuffled: records 0..n-1 in order, a batch of n per step."""
+    return PromptLoader([PromptRecord(f"{i}=", str(i), i) for i in range(n)], batch_size=n, shuffle=False)
 
 
 def test_plan_carries_each_groups_own_k_and_seed():
-    planner = BatchPlanner(_Loader(5), lambda rec: [1, 2], SamplingParams(), seed=7, default_n=4)
+    planner = BatchPlanner(_loader(5), lambda rec: [1, 2], SamplingParams(), seed=7, default_n=4)
     plan = planner.plan(3)
     assert plan.group_sizes == {i: 4 for i in range(5)}
     planner.group_sizer = CyclingGroupSize((2, 4, 8))
