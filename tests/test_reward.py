@@ -25,6 +25,9 @@ def compute_score(response, answer):
         raise ValueError("boom from the reward fn")
     if response == "sleep":
         time.sleep(30)
+    if response == "slow":
+        time.sleep(0.4)
+        return 0.5
     if response == "nan":
         return float("nan")
     if response == "text":
@@ -206,6 +209,36 @@ def test_dead_worker_is_replaced_and_scored_as_error(reward_file: str, caplog: p
     assert not any(_alive(pid) for pid in pids)
     with pytest.raises(RuntimeError, match="closed"):
         manager.score([("a", "a")])
+
+
+def test_items_go_out_in_chunks_but_the_time_limit_stays_per_item(reward_file: str) -> None:
+    """A call is a few tasks per worker, not one per item; an item over the limit is stopped on its
+    own (its chunk-mates before it keep their scores, those after it are scored again), and a
+    chunk whose items together take longer than the limit, each within it, is not cut."""
+    with RewardManager(_custom(reward_file, num_workers=1, timeout_s=1.0)) as manager:
+        scheduled = []
+        schedule = manager._pool.schedule
+        manager._pool.schedule = lambda *a, **kw: scheduled.append(kw["args"][1]) or schedule(*a, **kw)
+        items = [(str(i), str(i % 2)) for i in range(64)]
+        assert manager.score(items) == RewardBatch(scores=[1.0 if i < 2 else 0.25 for i in range(64)])
+        assert [len(chunk) for chunk in scheduled] == [32, 32]   # 2 chunks per worker, not 64 tasks
+
+        # 3 items of 0.4 s in a chunk: 1.2 s, each within 1 s - one task per item would not time out
+        scheduled.clear()
+        batch = manager.score([("slow", "x")] * 6)
+        assert batch == RewardBatch(scores=[0.5] * 6) and len(scheduled) == 2
+
+        # a hang and a death in the middle of chunks: [a, sleep, b] [die, c, a]
+        pids = manager.worker_pids
+        scheduled.clear()
+        batch = manager.score([("a", "a"), ("sleep", "x"), ("b", "b"), ("die", "x"), ("c", "c"), ("a", "b")])
+        assert batch == RewardBatch(scores=[1.0, 0.0, 1.0, 0.0, 1.0, 0.25], num_errors=1, num_timeouts=1)
+        # the two chunks, then what followed the hang and the death, each once
+        assert sorted(scheduled) == sorted([[("a", "a"), ("sleep", "x"), ("b", "b")],
+                                            [("die", "x"), ("c", "c"), ("a", "b")],
+                                            [("b", "b")], [("c", "c"), ("a", "b")]])
+        assert not set(pids) & set(manager.worker_pids)   # both workers it went through were replaced
+        assert manager.score([("x", "x")]) == RewardBatch(scores=[1.0])
 
 
 def test_score_from_a_producer_thread(reward_file: str) -> None:

@@ -8,9 +8,13 @@ timeouts, invalid, and the first message); training goes on. Nothing is logged p
 reward fn would write a line per response, hundreds a step): the trainer logs one summary line
 per step (scheduling/scorer.py: `reward_fault_summary`).
 
-The pool is pebble's ProcessPool: it runs each item with a time limit counted from the moment a
-worker takes it (so a worker's start-up never counts), kills and replaces a worker that overruns or
-dies, and loads the reward function once per worker (its `initializer`). On top of it, this module
+The pool is pebble's ProcessPool: it kills and replaces a worker that overruns or dies, and loads
+the reward function once per worker (its `initializer`). Items go to the workers in chunks (a few
+per worker per call), not one task each: a task's round trip costs ~0.2 ms, which for a string
+compare is the whole cost. The time limit stays per item, counted from the moment a worker starts
+it: a worker reports each item's start and result on a queue as it goes, and the item that
+overruns is the one whose worker is killed; its chunk-mates before it keep their scores and those
+after it are scheduled again. So a chunk behaves exactly as its items one task each would. On top of it, this module
 starts the workers EAGERLY, at construction, so that their start-up (spawn + imports, ~1-2 s)
 overlaps with model set-up, and checks that every worker did load the function: one that cannot,
 or takes longer than `startup_timeout_s`, means a broken environment and stops everything.
@@ -52,6 +56,7 @@ BUILTIN_REWARDS: dict[str, RewardFnRef] = {
 }
 # A worker that has not loaded the reward function by then is taken as broken (imports hang).
 STARTUP_TIMEOUT_S = 120.0
+CHUNKS_PER_WORKER = 2  # a call's items go out in this many chunks per worker: few round trips, some balance
 _LOCK_TIMEOUT_S = 5.0  # how long close() waits for a score() running in another thread
 _POLL_S = 0.1          # how often score() checks on the workers while it waits for results
 
@@ -169,6 +174,7 @@ def _call_reward(fn: RewardFn, response: str, answer: str) -> tuple[float, Optio
 # ---------------------------------------------------------------- worker process
 
 _worker_fn: Optional[RewardFn] = None  # set once per worker process, by _init_worker
+_worker_progress: Any = None            # the manager's progress queue, set by _init_worker
 
 
 class _DropMathVerifyTimeoutNotice(logging.Filter):
@@ -191,10 +197,12 @@ def _quiet_reward_libraries() -> None:
             log.addFilter(_MATH_VERIFY_FILTER)
 
 
-def _init_worker(fn_ref: RewardFnRef, ready: Any) -> None:
+def _init_worker(fn_ref: RewardFnRef, ready: Any, progress: Any = None) -> None:
     """pebble initializer: load the fn and report on `ready` (a SimpleQueue) whether that worked.
-    Re-raising makes pebble end this worker before it takes any item."""
-    global _worker_fn
+    Re-raising makes pebble end this worker before it takes any item. `progress`: the queue that
+    `_score_chunk_in_worker` reports on."""
+    global _worker_fn, _worker_progress
+    _worker_progress = progress
     _quiet_reward_libraries()
     try:
         _worker_fn = load_reward_fn(fn_ref)
@@ -206,6 +214,28 @@ def _init_worker(fn_ref: RewardFnRef, ready: Any) -> None:
 
 def _score_in_worker(response: str, answer: str) -> tuple[float, Optional[tuple[str, str]]]:
     return _call_reward(_worker_fn, response, answer)
+
+
+def _score_chunk_in_worker(chunk_id: int, items: list[tuple[str, str]]) -> list:
+    """Score `items` in order, putting ("start", chunk_id, j, time.monotonic()) before item j and
+    ("done", chunk_id, j, score, failure) after it on the progress queue (a SimpleQueue: each put is
+    in the pipe when it returns, so what a killed worker sent is there). CLOCK_MONOTONIC is one clock
+    for every process of the machine, so the parent can time the item. Returns every (score, failure)."""
+    out = []
+    for j, (response, answer) in enumerate(items):
+        _worker_progress.put(("start", chunk_id, j, time.monotonic()))
+        result = _call_reward(_worker_fn, response, answer)
+        _worker_progress.put(("done", chunk_id, j, *result))
+        out.append(result)
+    return out
+
+
+def chunk_ranges(num_items: int, num_chunks: int) -> list[range]:
+    """[0, num_items) cut into min(num_items, num_chunks) consecutive ranges whose sizes differ by at
+    most one."""
+    n = max(1, min(num_items, num_chunks))
+    bounds = [num_items * i // n for i in range(n + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 def _pool_processes(pool: Optional[ProcessPool]) -> list:
@@ -230,13 +260,15 @@ class RewardManager:
     `with` block) to stop the workers; an atexit hook does it too.
     """
 
-    def __init__(self, cfg: RewardConfig, startup_timeout_s: float = STARTUP_TIMEOUT_S):
+    def __init__(self, cfg: RewardConfig, startup_timeout_s: float = STARTUP_TIMEOUT_S,
+                 chunks_per_worker: int = CHUNKS_PER_WORKER):
         if cfg.num_workers < 0:
             raise ValueError(f"reward.num_workers: must be >= 0, got {cfg.num_workers}")
         if not cfg.timeout_s > 0:
             raise ValueError(f"reward.timeout_s: must be > 0, got {cfg.timeout_s}")
         self.cfg = cfg
         self.startup_timeout_s = startup_timeout_s
+        self.chunks_per_worker = chunks_per_worker   # tools/bench_reward.py compares it
         fn_ref = resolve_reward_fn(cfg)
         self._fn = load_reward_fn(fn_ref)  # eager: a bad reference fails here, before training starts
         _quiet_reward_libraries()          # num_workers 0 scores in this process
@@ -305,8 +337,10 @@ class RewardManager:
     def _start_pool(self) -> None:
         ctx = mp.get_context("spawn")
         self._ready = ctx.SimpleQueue()  # ("ready" | "load_error", pid, error) from _init_worker
+        self._progress = ctx.SimpleQueue()  # ("start" | "done", chunk, item, ...) from _score_chunk_in_worker
+        self._next_chunk_id = getattr(self, "_next_chunk_id", 0)   # kept over pool restarts
         self._pool = ProcessPool(max_workers=self.cfg.num_workers, initializer=_init_worker,
-                                 initargs=(self._fn_ref, self._ready), context=ctx)
+                                 initargs=(self._fn_ref, self._ready, self._progress), context=ctx)
         if not self._pool.active:  # reading `active` starts the workers now; pebble would wait for an item
             raise RewardWorkerError("the reward worker pool did not start")
         self._ready_pids: set[int] = set()
@@ -320,6 +354,7 @@ class RewardManager:
             pool.stop()
             pool.join()
             self._ready.close()
+            self._progress.close()
 
     def _shutdown(self) -> None:
         """The body of close(), for callers that already hold the lock."""
@@ -369,36 +404,97 @@ class RewardManager:
             logger.warning("reward worker pool broke while idle; starting a new one")
             self._stop_pool()
             self._start_pool()
-        pending = [self._pool.schedule(_score_in_worker, args=item, timeout=self.cfg.timeout_s)
-                   for item in items]
+        batch = RewardBatch(scores=[0.0] * len(items))
+        todo = [list(r) for r in chunk_ranges(len(items), self.chunks_per_worker * self.cfg.num_workers)]
+        lost = 0
+        while todo:   # a chunk cut short by a killed item comes back with the items after that one
+            todo, lost_now = self._score_chunks(items, todo, batch)
+            lost += lost_now
+            if lost_now:
+                self._stop_pool()
+                self._start_pool()
+        if lost:
+            logger.warning("reward worker pool broke (a worker died while no item was running); %d of %d "
+                           "items scored 0.0; started a new pool", lost, len(items))
+        return batch
+
+    def _score_chunks(self, items: list[tuple[str, str]], chunks: list[list[int]],
+                      batch: RewardBatch) -> tuple[list[list[int]], int]:
+        """Run `chunks` (lists of item indices) one task each, recording into `batch`; returns the
+        item lists still to score (those after an item that overran or killed its worker) and how
+        many items were lost to a broken pool."""
+        limit = self.cfg.timeout_s
+        position: dict[int, int] = {}   # chunk id (unique over the manager's life) -> index in chunks
+        pending = []
+        for c, chunk in enumerate(chunks):
+            position[self._next_chunk_id] = c
+            # pebble's own limit is only a backstop (a worker that stops reporting): items are timed here
+            pending.append(self._pool.schedule(_score_chunk_in_worker, timeout=limit * len(chunk) + 10.0,
+                                               args=(self._next_chunk_id, [items[i] for i in chunk])))
+            self._next_chunk_id += 1
+        running: dict[int, tuple[int, float]] = {}         # chunk -> (item, its start) last reported
+        results: list[dict] = [{} for _ in chunks]          # chunk -> {item: (score, failure)} reported
+        overran: dict[int, int] = {}                        # chunk -> the item its worker was killed on
+
+        def drain() -> None:
+            while not self._progress.empty():
+                kind, chunk_id, j, *rest = self._progress.get()
+                c = position.get(chunk_id)
+                if c is None:
+                    continue   # sent by a worker of an earlier call just before it was killed
+                if kind == "start":
+                    running[c] = (j, rest[0])
+                else:
+                    results[c][j] = tuple(rest)
         try:
             not_done = set(pending)
             while not_done:
                 not_done = futures.wait(not_done, timeout=_POLL_S).not_done
+                drain()
+                now = time.monotonic()
+                for c, future in enumerate(pending):
+                    if future in not_done and c not in overran and c in running:
+                        j, started_at = running[c]
+                        if j not in results[c] and now - started_at > limit:
+                            overran[c] = j
+                            future.cancel()   # pebble stops the worker running it and starts another
                 if not self._check_workers():
                     break
         finally:
             for future in pending:  # only if interrupted or broken: pebble stops workers still on them
                 future.cancel()
-        batch = RewardBatch(scores=[0.0] * len(items))
-        lost = sum(self._record_future(batch, index, future) for index, future in enumerate(pending))
-        if lost:
-            logger.warning("reward worker pool broke (a worker died while no item was running); %d of %d "
-                           "items scored 0.0; starting a new pool", lost, len(items))
-            self._stop_pool()
-            self._start_pool()
-        return batch
+        drain()
+        again, lost = [], 0
+        for c, (chunk, future) in enumerate(zip(chunks, pending)):
+            error = None
+            if c not in overran:
+                error = BrokenProcessPool() if future.cancelled() else future.exception()  # done: never waits
+                if error is None:
+                    results[c] = dict(enumerate(future.result()))
+            for j, result in results[c].items():
+                if j != overran.get(c):
+                    self._record(batch, chunk[j], *result)
+            missing = [j for j in range(len(chunk)) if j not in results[c] and j != overran.get(c)]
+            if c in overran:
+                stop = overran[c]
+                batch.fail(chunk[stop], "timeout", f"no result within reward.timeout_s={limit:g} s "
+                                                   "(its worker was killed and replaced)")
+            elif error is None or not missing:
+                continue
+            elif isinstance(error, BrokenProcessPool):
+                for j in missing:
+                    batch.fail(chunk[j], "error", "the reward worker pool broke (a worker died while idle)")
+                lost += len(missing)
+                continue
+            else:
+                stop = missing[0]   # items run in order: the first without a result is the one that failed
+                self._record_failure(batch, chunk[stop], error)
+            again.append([chunk[j] for j in missing if j > stop])
+        return [chunk for chunk in again if chunk], lost
 
-    def _record_future(self, batch: RewardBatch, index: int, future: futures.Future) -> bool:
-        """Record one item's outcome; True if it was lost because the pool broke."""
-        error = BrokenProcessPool() if future.cancelled() else future.exception()  # done: never waits
-        if error is None:
-            self._record(batch, index, *future.result())
-            return False
-        if isinstance(error, BrokenProcessPool):
-            batch.fail(index, "error", "the reward worker pool broke (a worker died while idle)")
-            return True
-        if isinstance(error, futures.TimeoutError):  # pebble's, the worker overran
+    def _record_failure(self, batch: RewardBatch, index: int, error: BaseException) -> None:
+        """Record the failure of the item a worker was running when its task failed."""
+        if isinstance(error, futures.TimeoutError):  # pebble's backstop: the worker stopped reporting
             batch.fail(index, "timeout", f"no result within reward.timeout_s={self.cfg.timeout_s:g} s "
                                          "(its worker was killed and replaced)")
         elif isinstance(error, ProcessExpired):
@@ -406,4 +502,3 @@ class RewardManager:
                                        "replaced")
         else:
             batch.fail(index, "error", f"{type(error).__name__}: {error}")
-        return False
