@@ -172,7 +172,7 @@ def test_flop_formulas():
     assert training_flops(shape, 2, 1, old_shortcut=False) == 5 * forward_flops(shape, 3)
 
 
-def _write_run(d, events, metrics, mode="periodic"):
+def _write_run(d, events, metrics, mode="periodic", kl_coef=0.001):
     os.makedirs(os.path.join(d, "model_init"))
     with open(os.path.join(d, "model_init", "config.json"), "w") as f:
         json.dump({"model_type": "qwen2", "hidden_size": 4, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -181,7 +181,7 @@ def _write_run(d, events, metrics, mode="periodic"):
     with open(os.path.join(d, "config.yaml"), "w") as f:
         yaml.safe_dump({"backend": "cpu", "model": {"path": None}, "trainer": {"mode": mode},
                         "rollout": {"max_slots": 2, "n": 2}, "data": {"train_batch_size": 1},
-                        "actor": {"micro_batch_size": 2, "ppo_epochs": 1}}, f)
+                        "actor": {"micro_batch_size": 2, "ppo_epochs": 1, "kl_coef": kl_coef}}, f)
     with open(os.path.join(d, "timeline.jsonl"), "w") as f:
         f.writelines(json.dumps(e) + "\n" for e in events)
     with open(os.path.join(d, "metrics.jsonl"), "w") as f:
@@ -213,6 +213,11 @@ def test_profile_of_a_hand_made_step(tmp_path):
     assert g["flops_per_s_step"] == pytest.approx(600)
     # training: 2 x 4 forwards over 4 tokens (2*184*4 + 2*4*4*5 = 1632), busy 1.5 s (micro-step + optimizer)
     assert t["flops"] == 2 * 4 * 1632 and t["mfu_busy"] == pytest.approx(13056 / 1.5 / 1e4)
+    # without a KL term the reference model is not built: 3 forwards' worth per sample
+    d0 = str(tmp_path / "run_no_kl")
+    _write_run(d0, events, [{"step": 1, "timing_s/step": 4.0, "perf/throughput": 1.0, "perf/total_num_tokens": 8}],
+               kl_coef=0.0)
+    assert prof.profile(d0, warmup=0)["stages"]["train"]["flops"] == 2 * 3 * 1632
 
 
 def test_a_run_without_a_timeline_gets_one_line_saying_what_to_do(tmp_path):

@@ -20,6 +20,16 @@ same cheap reward (the share of '7's in the response), temperature 1, 2 CPU thre
   periodic_split / periodic_split_shared (rollout.cpu_cores=split: the worker on one core, the
   trainer on the other).
 
+The FLOP/s account (issue 30; off with --no-account): tools/peak_flops.py measures the matmul rate at
+the setup's own shapes (training rows: micro-batch x (P + 64) tokens; decode rows: 64) and the
+fastest shape (peak) in this process before the runs; every side's useful FLOPs per step (generation
+over P + 63 tokens, the policy's forward and backward over P + 64, per completion: the same work on
+both sides, no reference model since neither has a KL term) over its median step, as GFLOP/s and a
+share of peak; for the project's runs (trainer.record_timeline=true) tools/profile_run.py's stage
+times give generation's and the micro-steps' own GFLOP/s over their busy time, against the model rate
+at their rows, and the optimizer's seconds; `floor s` is the step if generation and training ran
+at the model rate one after another, with nothing else.
+
 Tokens are (prompt + completion) per completion: 64 x (P + 64) per step. Each side's tokens/s is
 over the steps after the warm-up (steps W+1..N) of every repeat, from per-step wall times (TRL: a
 TrainerCallback, time between step ends; project: metrics.jsonl timing_s/step). Within a repeat
@@ -137,7 +147,24 @@ def run_trl(py: str, work, setup: str, steps: int, micro_batch: int, threads: in
     return res["step_s"]
 
 
-def run_project(work, setup: str, mode: str, steps: int, micro_batch: int, run_dir: str) -> list[float]:
+def useful_flops_per_step(shape, plen: int, new: int) -> dict:
+    """Per step: generation and the policy's forward + backward, the same on both sides."""
+    from sim.flops import forward_flops, generation_flops
+    n = PROMPTS_PER_STEP * K
+    return {"generate": n * generation_flops(shape, plen, new), "train": n * 3 * forward_flops(shape, plen + new)}
+
+
+def stage_account(run_dir: str, warmup: int) -> dict:
+    """A project run's generation and micro-step FLOP/s over their busy time, and optimizer s/step."""
+    from profile_run import profile
+    p = profile(run_dir, warmup=warmup)
+    return {"generate": p["stages"]["generate"]["flops_per_s_busy"],
+            "micro_steps": p["stages"]["train"]["flops"] / p["busy"]["micro_steps"] if p["busy"]["micro_steps"] else 0.0,
+            "optimizer_s": p["busy"]["optimizer"]}
+
+
+def run_project(work, setup: str, mode: str, steps: int, micro_batch: int, run_dir: str,
+                account: bool = False) -> list[float]:
     model_dir, prompts, reward = work
     _, _, _, _, _, plen, new = SETUPS[setup]
     cmd = [sys.executable, "-m", "periodic_async", "--config", os.path.join(ROOT, "configs", "default.yaml"),
@@ -147,7 +174,8 @@ def run_project(work, setup: str, mode: str, steps: int, micro_batch: int, run_d
            f"actor.micro_batch_size={micro_batch}", "actor.lr=3e-3", "actor.kl_coef=0",
            "reward.name=custom", f"reward.custom_file={reward}", "reward.num_workers=1",
            f"trainer.total_steps={steps}", "trainer.save_final=false", "trainer.save_every=0",
-           "trainer.progress_bar=false", "trainer.tensorboard=false", f"trainer.run_dir={run_dir}", *MODES[mode]]
+           "trainer.progress_bar=false", "trainer.tensorboard=false", f"trainer.run_dir={run_dir}", *MODES[mode],
+           *(["trainer.record_timeline=true"] if account else [])]
     _run(cmd, dict(os.environ, PYTHONPATH=ROOT, TOKENIZERS_PARALLELISM="false"), f"project {mode}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         recs = [json.loads(line) for line in f if line.strip()]
@@ -192,6 +220,7 @@ def main():
     p.add_argument("--trl-gradient-checkpointing", action="store_true",
                    help="keep TRL's default gradient checkpointing (off by default here: the project does not recompute)")
     p.add_argument("--table", default=None, help="also write the markdown table to this file")
+    p.add_argument("--no-account", action="store_true", help="no FLOP/s account (no timeline, no matmul probe)")
     a = p.parse_args()
     if a.steps <= a.warmup:
         sys.exit("--steps must exceed --warmup")
@@ -201,15 +230,27 @@ def main():
             sys.exit(f"unknown mode {m!r} (choose from {', '.join(MODES)})")
     py = None if a.no_trl else ensure_trl_venv()
     sides = ([] if a.no_trl else ["trl"]) + modes
-    rows, raw = [], {}
+    rows, raw, account_rows = [], {}, []
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     for setup in a.setups.split(","):
         hidden, layers, heads, kv, ffn, plen, new = SETUPS[setup]
         step_tokens = PROMPTS_PER_STEP * K * (plen + new)
         times = {s: [] for s in sides}
+        stages = {s: [] for s in sides}
         with (contextlib.nullcontext(os.path.join(a.keep_runs, setup)) if a.keep_runs
               else tempfile.TemporaryDirectory(prefix=f"bench_vs_trl_{setup}_")) as d:
             os.makedirs(d, exist_ok=True)
             work = make_work(d, setup, a.steps, a.seed)
+            if not a.no_account:
+                from peak_flops import measure
+                from sim.flops import ModelShape
+                with open(os.path.join(work[0], "config.json")) as f:
+                    shape = ModelShape.from_hf_config(json.load(f))
+                train_rows = a.micro_batch * (plen + new)
+                rates = measure(shape, [train_rows, PROMPTS_PER_STEP * K], a.threads)
+                log(f"{setup}: matmul rate at the model's shapes: {rates['by_rows'][train_rows]['model_rate_flops'] / 1e9:.1f} "
+                    f"GFLOP/s at {train_rows} rows, {rates['by_rows'][PROMPTS_PER_STEP * K]['model_rate_flops'] / 1e9:.1f} "
+                    f"at {PROMPTS_PER_STEP * K}; peak {rates['peak_flops'] / 1e9:.1f}")
             log(f"{setup}: hidden {hidden}, {layers} layers, {heads}/{kv} heads, ffn {ffn}; prompt {plen} + "
                 f"{new} tokens, {PROMPTS_PER_STEP}x{K} completions/step; {a.steps} steps, warm-up {a.warmup}, "
                 f"{a.repeats} repeats")
@@ -222,7 +263,9 @@ def main():
                         st = run_trl(py, work, setup, a.steps, a.micro_batch, a.threads, run_dir,
                                      a.trl_gradient_checkpointing)
                     else:
-                        st = run_project(work, setup, side, a.steps, a.micro_batch, run_dir)
+                        st = run_project(work, setup, side, a.steps, a.micro_batch, run_dir, not a.no_account)
+                        if not a.no_account:
+                            stages[side].append(stage_account(run_dir, a.warmup))
                     if len(st) != a.steps:
                         sys.exit(f"{side}: {len(st)} step times, expected {a.steps}")
                     times[side].append(st[a.warmup:])
@@ -241,6 +284,24 @@ def main():
             rows.append((setup, side, med, tps, min(per_rep), max(per_rep), tps / ref, step_tokens / med,
                          step_tokens / med / ref_med))
         raw[setup] = times
+        if not a.no_account:
+            useful = useful_flops_per_step(shape, plen, new)
+            peak = rates["peak_flops"]
+            decode_rate = rates["by_rows"][PROMPTS_PER_STEP * K]["model_rate_flops"]
+            train_rate = rates["by_rows"][train_rows]["model_rate_flops"]
+            floor = useful["generate"] / decode_rate + useful["train"] / train_rate
+            for side in sides:
+                med = statistics.median([x for t in times[side] for x in t])
+                per_s = (useful["generate"] + useful["train"]) / med
+                row = [setup, side, f"{per_s / 1e9:.1f} ({per_s / peak:.0%})", f"{floor:.2f}", f"{med / floor:.2f}x"]
+                if stages[side]:
+                    g = statistics.fmean(x["generate"] for x in stages[side])
+                    m = statistics.fmean(x["micro_steps"] for x in stages[side])
+                    o = statistics.fmean(x["optimizer_s"] for x in stages[side])
+                    row += [f"{g / 1e9:.1f} ({g / decode_rate:.0%})", f"{m / 1e9:.1f} ({m / train_rate:.0%})", f"{o:.3f}"]
+                else:
+                    row += ["-", "-", "-"]
+                account_rows.append((row, peak, decode_rate, train_rate))
     first = sides[0]
     lines = [f"| setup | side | step s (median) | tokens/s | tokens/s per repeat (min - max) | x {first} "
              f"| tokens/s at the median step | x {first} (median steps) |",
@@ -251,6 +312,17 @@ def main():
     for setup, side, med, tps, lo, hi, ratio, mtps, mratio in rows:
         lines.append(f"| {setup} | {names.get(side, 'project, ' + side)} | {med:.2f} | {tps:.0f} | {lo:.0f} - {hi:.0f} | {ratio:.2f} "
                      f"| {mtps:.0f} | {mratio:.2f} |")
+    if account_rows:
+        lines += ["", "FLOP/s account (useful FLOPs: generation + the policy's forward and backward; rates "
+                  "measured by tools/peak_flops.py at the setup's shapes in this run):", "",
+                  "| setup | side | step GFLOP/s (% of peak) | floor s | median step / floor | generation GFLOP/s busy "
+                  "(% of the model rate at 64 rows) | micro-steps GFLOP/s busy (% of the model rate at training rows) "
+                  "| optimizer s / step |", "|---|---|---|---|---|---|---|---|"]
+        lines += ["| " + " | ".join(row) + " |" for row, *_ in account_rows]
+        for setup in dict.fromkeys(r[0][0] for r in account_rows):
+            peak, decode_rate, train_rate = next(r[1:] for r in account_rows if r[0][0] == setup)
+            lines.append(f"\n{setup}: peak {peak / 1e9:.1f} GFLOP/s, model rate {decode_rate / 1e9:.1f} GFLOP/s at 64 "
+                         f"rows, {train_rate / 1e9:.1f} at training rows.")
     table = "\n".join(lines)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = (f"bench_vs_trl {stamp}: steps {a.steps}, warm-up {a.warmup}, repeats {a.repeats}, micro-batch "

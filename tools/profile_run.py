@@ -15,8 +15,9 @@ Any mode, any config, any backend: the run needs trainer.record_timeline=true, n
   step's samples, over the step time (what the slowest 10% of samples cost);
 - FLOPs per step from the model shape (tools/sim/flops.py: a forward over S
   tokens is 2 N S + 2 L d S (S + 1); generation runs P + R - 1 tokens per sample; training runs
-  the policy's forward + backward (3 forwards) and the reference's forward (and the old policy's
-  when ppo_epochs > 1) over P + R), achieved FLOP/s per device of each stage, over the stage's busy
+  the policy's forward + backward (3 forwards), the reference's forward when the run has a KL
+  term (actor.kl_coef != 0: the reference is built only then) and the old policy's when
+  ppo_epochs > 1, over P + R), achieved FLOP/s per device of each stage, over the stage's busy
   time and over the step, and MFU against --peak-flops or the --device table (none on cpu unless
   --peak-flops is given);
 - writes a timeline PNG (one lane per generation slot, the producer's scoring, the trainer's
@@ -143,11 +144,14 @@ def analyse_step(evs: list[dict], mode: str, cfg: dict, shape) -> dict:
         trainer = partition(window, [("train", train), ("weight_sync", sync)])
     ppo_epochs = (cfg.get("actor") or {}).get("ppo_epochs", 1)
     shortcut = (cfg.get("actor") or {}).get("old_logp_shortcut", True)
+    # the reference model is built (and run) only for a KL term: ActorConfig.uses_reference
+    reference = (cfg.get("actor") or {}).get("kl_coef", 0.0) != 0
     gen_flops = train_flops = 0.0
     if shape is not None:
         for e in gens:
             gen_flops += generation_flops(shape, e["prompt_tokens"], e["response_tokens"])
-            train_flops += training_flops(shape, e["prompt_tokens"], e["response_tokens"], ppo_epochs, True, shortcut)
+            train_flops += training_flops(shape, e["prompt_tokens"], e["response_tokens"], ppo_epochs, reference,
+                                          shortcut)
     tokens = sum(e["prompt_tokens"] + e["response_tokens"] for e in gens)
     return {
         "step": st["step"], "step_s": step_s, "mode": mode, "engines": engines, "devices": st.get("devices"),
