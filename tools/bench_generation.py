@@ -18,6 +18,11 @@ cores, but it counts OpenMP threads' spin-waiting too).
 
     python tools/bench_generation.py                   # both cases, ~1.5 min on 2 idle cores
     python tools/bench_generation.py --case fixed --repeats 1
+
+The fixed case ends with the new engine's FLOP/s account (issue 30): its prefill and decode
+seconds per run (HFRolloutEngine.phase_s: the model calls alone), the rest of the run (sampling,
+cache bookkeeping, Python), each phase's GFLOP/s (tools/sim/flops.py) and its share of the matmul
+rate at the model's shapes measured here (tools/peak_flops.py: the prefill's rows, 64 decode rows).
 """
 from __future__ import annotations
 
@@ -259,6 +264,32 @@ def bench(name, contenders, reqs, repeats):
     return wall, cpu
 
 
+def account(a, vocab: int, engine, best_wall: float) -> None:
+    """The new engine's phases per run of the fixed case, as seconds, GFLOP/s and share of the model rate."""
+    sys.path.insert(0, _TOOLS)
+    from peak_flops import measure
+    from sim.flops import ModelShape, forward_flops, generation_flops
+    shape = ModelShape(hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
+                       head_dim=a.hidden // a.heads, ffn=a.ffn, vocab=vocab)
+    rows = a.prompts * a.k
+    prefill_rows = a.prompts * a.prompt_len
+    rates = measure(shape, [prefill_rows, rows], a.threads)["by_rows"]
+    prefill_s, decode_s = (engine.phase_s[k] / a.repeats for k in ("prefill", "decode"))
+    flops = {"prefill": a.prompts * forward_flops(shape, a.prompt_len),
+             "decode": rows * (generation_flops(shape, a.prompt_len, a.new) - forward_flops(shape, a.prompt_len))}
+    print(f"\nnew engine, FLOP/s account (fixed case; seconds per run, mean over {a.repeats}; its best run "
+          f"{best_wall:.2f} s):")
+    for phase, secs, rate in (("prefill", prefill_s, rates[prefill_rows]), ("decode", decode_s, rates[rows])):
+        got = flops[phase] / secs if secs else 0.0
+        print(f"  {phase:8s} {secs:6.3f} s  {flops[phase] / 1e9:7.3f} GFLOP  {got / 1e9:6.1f} GFLOP/s  "
+              f"{got / rate['model_rate_flops']:5.0%} of the model rate at {prefill_rows if phase == 'prefill' else rows} "
+              f"rows ({rate['model_rate_flops'] / 1e9:.1f} GFLOP/s)")
+    print(f"  rest     {best_wall - prefill_s - decode_s:6.3f} s  (sampling, cache bookkeeping, Python: the best "
+          f"run's wall minus the mean phases)")
+    floor = flops["prefill"] / rates[prefill_rows]["model_rate_flops"] + flops["decode"] / rates[rows]["model_rate_flops"]
+    print(f"  floor    {floor:6.3f} s  (both phases at the model rate); best run / floor {best_wall / floor:.2f}x")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--case", choices=["fixed", "variable", "both"], default="both")
@@ -307,8 +338,12 @@ def main():
 
     results = {}
     if a.case in ("fixed", "both"):
+        new_engine = engines["fixed"]["new engine"]
+        new_engine.phase_s = {k: 0.0 for k in new_engine.phase_s}          # the warm-up's out
+        new_engine.phase_tokens = {k: 0 for k in new_engine.phase_tokens}
         results["fixed"] = bench(f"fixed: {a.prompts} x K={a.k}, prompt {a.prompt_len}, exactly {a.new} new tokens, "
                                  f"{a.prompts * a.k} slots", contenders("fixed"), fixed_requests(a, vocab), a.repeats)
+        account(a, vocab, new_engine, results["fixed"][0]["new engine"])
     if a.case in ("variable", "both"):
         reqs = variable_requests(a, vocab)
         lens = sorted(r.sampling.max_new_tokens for r in reqs)

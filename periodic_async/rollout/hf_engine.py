@@ -180,6 +180,12 @@ class HFRolloutEngine(RolloutEngine):
         self.max_slots = max_slots
         self.policy_version = 0
         self._cache_stale = False       # weights changed under in-flight sequences
+        # Seconds and tokens by phase, summed over the engine's life (tools/bench_generation.py's
+        # FLOP/s account): prefill (distinct prompts' tokens), decode (one token per active row and
+        # step). Host clock around each call: exact on the CPU; on an accelerator the kernels run
+        # asynchronously and their time shows where the host waits (the sampled tokens' copy).
+        self.phase_s = {"prefill": 0.0, "decode": 0.0}
+        self.phase_tokens = {"prefill": 0, "decode": 0}
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
@@ -246,9 +252,14 @@ class HFRolloutEngine(RolloutEngine):
                 on_slots(n_active)
             logits = []
             if batch is not None:
+                t0 = time.perf_counter()
                 logits.append(self._decode(batch))
+                self.phase_s["decode"] += time.perf_counter() - t0
+                self.phase_tokens["decode"] += len(batch.rows)
             if joining:
+                t0 = time.perf_counter()
                 joined, new_logits = self._prefill(joining)
+                self.phase_s["prefill"] += time.perf_counter() - t0
                 logits.append(new_logits)
                 if batch is None:
                     batch = joined
@@ -336,6 +347,7 @@ class HFRolloutEngine(RolloutEngine):
         rep = [distinct.setdefault(tuple(s.request.prompt_ids), len(distinct)) for s in seqs]
         prompts = list(distinct)
         lens = [len(p) for p in prompts]
+        self.phase_tokens["prefill"] += sum(lens)
         attn, out = self._forward_left_padded(prompts)
         width = attn.shape[1]
         logits = out.logits[:, -1, :].float()
