@@ -84,9 +84,19 @@ def project_worker(args):
     normaliser = float(sum(len(s.response_ids) for s in batch))
 
     def step():
+        t0 = time.perf_counter()
         micro = [actor.pack(batch[i:i + mbs]) for i in range(0, len(batch), mbs)]
+        t1 = time.perf_counter()
         actor.forward_backward(iter(micro), len(micro))
+        t2 = time.perf_counter()
         actor.optimizer_step(grad_scale=1.0 / normaliser)
+        t3 = time.perf_counter()
+        # the policy's forward alone (no graph kept), timed outside the step: backward ~ the rest
+        with torch.no_grad():
+            for mb in micro:
+                actor.compute_logprobs(mb)
+        return {"pack": t1 - t0, "forward_backward": t2 - t1, "optimizer": t3 - t2,
+                "forward_no_grad": time.perf_counter() - t3}
     return step
 
 
@@ -138,8 +148,9 @@ def worker(args) -> None:
         if line.strip() != "step":
             break
         w0, c0 = time.perf_counter(), time.process_time()
-        step()
-        print(json.dumps({"wall": time.perf_counter() - w0, "cpu": (time.process_time() - c0) / args.threads}),
+        phases = step() or {}
+        wall = time.perf_counter() - w0 - phases.get("forward_no_grad", 0.0)   # the step itself
+        print(json.dumps({"wall": wall, "cpu": (time.process_time() - c0) / args.threads, "phases": phases}),
               flush=True)
 
 
@@ -235,6 +246,32 @@ def main() -> None:
         vs_base = f"{stat('base', 'wall', min) / wmin:7.2f}x" if "base" in times else "-"
         print(f"{v:12s} {wmin:9.2f} {wmed:9.2f} {cmin:8.2f} {cmed:8.2f} {tokens / wmin:8.0f} {vs_hf:>7s} {vs_base:>8s}")
     print("(vs hf / vs base: that variant's min wall time / this one's: > 1 is faster)")
+    phase_account(args, times, variants, p_len, r_len)
+
+
+def phase_account(args, times, variants, p_len: int, r_len: int) -> None:
+    """The project's step by phase (median over rounds), as seconds and GFLOP/s against the matmul
+    rate at a micro-step's rows (tools/peak_flops.py, measured now). FLOPs are the unshared
+    sequence's (tools/sim/flops.py), so a shared-prompt variant's rate counts the work it avoided."""
+    from peak_flops import measure
+    from sim.flops import ModelShape, forward_flops
+    hidden, layers, heads, kv, ffn, *_ = SETUPS[args.setup]
+    shape = ModelShape(hidden=hidden, layers=layers, heads=heads, kv_heads=kv, head_dim=hidden // heads, ffn=ffn,
+                       vocab=VOCAB)
+    rows = 32 * (p_len + r_len)      # ActorConfig's default micro_batch_size of 32 sequences
+    rate = measure(shape, [rows], args.threads)["by_rows"][rows]["model_rate_flops"]
+    fwd = GROUPS * K * forward_flops(shape, p_len + r_len)
+    print(f"\nphases of the project's step (median s; GFLOP/s and share of the matmul rate at {rows} rows, "
+          f"{rate / 1e9:.1f} GFLOP/s; forward {fwd / 1e9:.2f} GFLOP, backward 2x that):")
+    print(f"{'variant':12s} {'pack':>7s} {'forward':>16s} {'backward (f+b - f)':>22s} {'optimizer':>10s}")
+    for v in variants:
+        ph = [t["phases"] for t in times[v] if t.get("phases")]
+        if not ph:
+            continue
+        med = {k: statistics.median(p[k] for p in ph) for k in ph[0]}
+        f, b = med["forward_no_grad"], med["forward_backward"] - med["forward_no_grad"]
+        print(f"{v:12s} {med['pack']:7.3f} {f:7.3f} ({fwd / f / rate:4.0%} rate) {b:10.3f} ({2 * fwd / b / rate:4.0%} rate)"
+              f" {med['optimizer']:10.3f}")
 
 
 if __name__ == "__main__":
