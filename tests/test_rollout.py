@@ -13,6 +13,7 @@ from periodic_async.models.mcore import arch_from_hf_dir
 from periodic_async.models.tiny import tiny_hf_config
 from periodic_async.models.tokenizer import build_char_tokenizer, mark_char_tokenizer
 from periodic_async.rollout.base import RolloutRequest, SamplingParams
+from periodic_async.rollout import hf_engine
 from periodic_async.rollout.hf_engine import HFRolloutEngine
 from periodic_async.rollout.sampling import filter_logits, filter_logits_batch, inverse_cdf
 
@@ -152,6 +153,34 @@ def test_batched_engine_equals_the_one_sequence_reference(ref_model):
         spans.sort()
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
     assert len({r.timings["start"] for r in got}) > 2          # slots were refilled
+
+
+def test_lean_decode_equals_the_transformers_decode_step(ref_model):
+    """rollout/lean_decode.py (fused q/k/v and gate/up as views of the parameters, attention per KV
+    head without repeating K / V, the mask in one op) gives the tokens and log-probs of the
+    transformers forward it replaces, through refills, finished rows and a weight update; and it
+    is the path taken (the engines above and below run it by default)."""
+    path, tok = ref_model
+    lean, hf = (HFRolloutEngine(path, tok.pad_token_id, tok.eos_token_id, max_slots=5, decode=d) for d in ("lean", "hf"))
+    assert lean._fused is not None and hf._fused is None
+    calls = []
+    step = hf_engine.lean_decode_step
+    hf_engine.lean_decode_step = lambda *a: calls.append(1) or step(*a)
+    try:
+        reqs = _mixed_requests(tok)
+        _check_equal(list(lean.generate(reqs)), list(hf.generate(reqs)))
+        assert calls                                                          # the lean step ran
+        # q_proj's weight is a view of the fused weight: a weight sync (copy_) reaches both paths
+        new = {n: p.detach() * 0.9 for n, p in hf.model.named_parameters()}
+        for engine in (lean, hf):
+            engine.update_weights(new.items(), version=1)
+        assert lean._fused[0][0][:4].data_ptr() == dict(lean.model.named_parameters())[
+            "model.layers.0.self_attn.q_proj.weight"].data_ptr()
+        _check_equal(list(lean.generate(reqs)), list(hf.generate(reqs)))
+    finally:
+        hf_engine.lean_decode_step = step
+    with pytest.raises(ValueError, match="decode must be 'lean' or 'hf'"):
+        HFRolloutEngine(path, tok.pad_token_id, tok.eos_token_id, decode="fast")
 
 
 def test_engine_reports_idle_before_it_hands_out_its_last_results(ref_model):

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
 from .base import RolloutEngine, RolloutRequest, RolloutResult
+from .lean_decode import fuse_weights, lean_decode_step, supports
 from .sampling import RowParams, sample_batch, sequence_uniforms
 
 
@@ -168,7 +169,9 @@ class HFRolloutEngine(RolloutEngine):
 
     def __init__(self, model_dir: str, pad_token_id: int, eos_token_id: int | None,
                  max_slots: int = 256, device: str | torch.device = "cpu",
-                 attn_implementation: str = "sdpa"):
+                 attn_implementation: str = "sdpa", decode: str = "lean"):
+        """decode: "lean" runs decode steps through lean_decode.py where the architecture allows
+        (else, and with "hf", the transformers forward); prefill is always the transformers forward."""
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()   # a 'Loading weights' bar per worker at start-up
@@ -180,6 +183,10 @@ class HFRolloutEngine(RolloutEngine):
         self.max_slots = max_slots
         self.policy_version = 0
         self._cache_stale = False       # weights changed under in-flight sequences
+        if decode not in ("lean", "hf"):
+            raise ValueError(f"HFRolloutEngine: decode must be 'lean' or 'hf', got {decode!r}")
+        # per layer (qkv, bias, gate_up): the parameters are views of these (weight sync included)
+        self._fused = fuse_weights(self.model) if decode == "lean" and supports(self.model) else None
         # Seconds and tokens by phase, summed over the engine's life (tools/bench_generation.py's
         # FLOP/s account): prefill (distinct prompts' tokens), decode (one token per active row and
         # step). Host clock around each call: exact on the CPU; on an accelerator the kernels run
@@ -302,6 +309,10 @@ class HFRolloutEngine(RolloutEngine):
     def _decode(self, b: _Batch) -> torch.Tensor:
         """One token for every row of b (its next_ids at pos); returns their logits [B, V] fp32."""
         b.attn = torch.cat([b.attn, torch.ones_like(b.attn[:, :1])], dim=1)
+        if self._fused is not None:
+            logits = lean_decode_step(self.model, self._fused, b.next_ids, b.pos, b.attn, b.cache.layers)
+            b.pos = b.pos + 1
+            return logits
         out = self.model(input_ids=b.next_ids[:, None], attention_mask=b.attn, position_ids=b.pos[:, None],
                          past_key_values=b.cache, use_cache=True)
         b.cache = out.past_key_values
