@@ -1,7 +1,8 @@
 """Generation speed of the HF rollout engine (rollout/hf_engine.py) against the engine it replaced
 (a frozen copy below: per-row sampling, finished rows kept in the batch, the whole active set
 re-prefilled at every refill, each prompt prefilled K times) and transformers' `generate` (what TRL
-does: one static batch, sampled).
+does: one static batch, sampled). "new engine" decodes with rollout/lean_decode.py (the default);
+"hf decode" is the same engine with decode="hf" (each decode step through the transformers forward).
 
 A random-init Qwen2 ("small": hidden 256, 4 layers, 4 heads / 2 KV heads, ffn 1024; vocabulary of
 the char tokenizer unless --vocab), fp32, on the CPU with --threads torch threads. No EOS and no
@@ -322,6 +323,7 @@ def main():
         engines = {}
         for slots_case, slots in (("fixed", a.prompts * a.k), ("variable", a.var_slots)):
             engines[slots_case] = {"new engine": HFRolloutEngine(d, 0, None, max_slots=slots),
+                                   "hf decode": HFRolloutEngine(d, 0, None, max_slots=slots, decode="hf"),
                                    "old engine": OldHFRolloutEngine(d, 0, None, max_slots=slots)}
     print(f"model: Qwen2 hidden {a.hidden}, {a.layers} layers, {a.heads} heads / {a.kv_heads} KV heads, ffn {a.ffn}, "
           f"vocab {vocab}, fp32, {torch.get_num_threads()} torch threads; best of {a.repeats}")
