@@ -148,9 +148,6 @@ def plot_seeds(results: dict, path: str, title: str, val_key: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    def smooth(xs, w=10):
-        return [statistics.fmean(xs[max(0, i - w + 1):i + 1]) for i in range(len(xs))]
     fig, axes = plt.subplots(1, 4, figsize=(22, 4.8))
     names = list(dict.fromkeys(v for v, _ in results))
     for i, v in enumerate(names):
@@ -173,13 +170,8 @@ def plot_seeds(results: dict, path: str, title: str, val_key: str) -> None:
     axes[1].set(xlabel="wall-clock s (training steps; mean over seeds)", ylabel=val_key)
     axes[2].set(xlabel="step", ylabel="vcpo/ess_ratio (ESS / N, 10-step mean)")
     axes[3].set(xlabel="step", ylabel="actor/grad_norm (10-step mean)")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"{title}: periodic against bounded-staleness async over seeds (dashed: with VCPO parts)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}", flush=True)
+    finish(fig, axes, f"{title}: periodic against bounded-staleness async over seeds (dashed: with VCPO parts)",
+           path, legend_size=8)
 
 
 def table(results: dict) -> list[str]:
@@ -203,9 +195,6 @@ def plot(results: dict, path: str, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    def smooth(xs, w=10):
-        return [statistics.fmean(xs[max(0, i - w + 1):i + 1]) for i in range(len(xs))]
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
     names = list(dict.fromkeys(v for v, _ in results))
     colours = {v: f"C{i}" for i, v in enumerate(names)}
@@ -219,10 +208,19 @@ def plot(results: dict, path: str, title: str) -> None:
     axes[0].set(xlabel="wall-clock s (training steps)", ylabel="critic/score/mean (10-step mean)")
     axes[1].set(xlabel="step", ylabel="vcpo/ess_ratio (ESS / N)")
     axes[2].set(xlabel="step", ylabel="actor/grad_norm (10-step mean)")
+    finish(fig, axes, f"{title}: periodic against bounded-staleness async (dashed: with VCPO)", path, legend_size=7)
+
+
+def smooth(xs: list[float], w: int = 10) -> list[float]:
+    """Trailing mean over w points."""
+    return [statistics.fmean(xs[max(0, i - w + 1):i + 1]) for i in range(len(xs))]
+
+
+def finish(fig, axes, title: str, path: str, legend_size: int) -> None:
     for ax in axes:
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"{title}: periodic against bounded-staleness async (dashed: with VCPO)")
+    axes[0].legend(fontsize=legend_size)
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}", flush=True)
