@@ -342,7 +342,6 @@ def main():
     if a.case in ("fixed", "both"):
         new_engine = engines["fixed"]["new engine"]
         new_engine.phase_s = {k: 0.0 for k in new_engine.phase_s}          # the warm-up's out
-        new_engine.phase_tokens = {k: 0 for k in new_engine.phase_tokens}
         results["fixed"] = bench(f"fixed: {a.prompts} x K={a.k}, prompt {a.prompt_len}, exactly {a.new} new tokens, "
                                  f"{a.prompts * a.k} slots", contenders("fixed"), fixed_requests(a, vocab), a.repeats)
         account(a, vocab, new_engine, sum(results["fixed"][2]["new engine"]) / a.repeats)

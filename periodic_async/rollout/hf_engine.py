@@ -187,12 +187,10 @@ class HFRolloutEngine(RolloutEngine):
             raise ValueError(f"HFRolloutEngine: decode must be 'lean' or 'hf', got {decode!r}")
         # per layer (qkv, bias, gate_up): the parameters are views of these (weight sync included)
         self._fused = fuse_weights(self.model) if decode == "lean" and supports(self.model) else None
-        # Seconds and tokens by phase, summed over the engine's life (tools/bench_generation.py's
-        # FLOP/s account): prefill (distinct prompts' tokens), decode (one token per active row and
-        # step). Host clock around each call: exact on the CPU; on an accelerator the kernels run
+        # Seconds by phase, summed over the engine's life (tools/bench_generation.py's FLOP/s
+        # account). Host clock around each call: exact on the CPU; on an accelerator the kernels run
         # asynchronously and their time shows where the host waits (the sampled tokens' copy).
         self.phase_s = {"prefill": 0.0, "decode": 0.0}
-        self.phase_tokens = {"prefill": 0, "decode": 0}
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
@@ -262,7 +260,6 @@ class HFRolloutEngine(RolloutEngine):
                 t0 = time.perf_counter()
                 logits.append(self._decode(batch))
                 self.phase_s["decode"] += time.perf_counter() - t0
-                self.phase_tokens["decode"] += len(batch.rows)
             if joining:
                 t0 = time.perf_counter()
                 joined, new_logits = self._prefill(joining)
@@ -358,7 +355,6 @@ class HFRolloutEngine(RolloutEngine):
         rep = [distinct.setdefault(tuple(s.request.prompt_ids), len(distinct)) for s in seqs]
         prompts = list(distinct)
         lens = [len(p) for p in prompts]
-        self.phase_tokens["prefill"] += sum(lens)
         attn, out = self._forward_left_padded(prompts)
         width = attn.shape[1]
         logits = out.logits[:, -1, :].float()

@@ -3,8 +3,9 @@
 The HF engine's decode step (hf_engine.py `_decode`) is one token per row through the model's
 `forward`: per call it builds the 4-D attention mask, dispatches the attention interface per layer,
 repeats the K / V heads for grouped-query attention and runs q, k, v and gate, up as separate
-matmuls. For a small model at 64 rows that overhead is most of the step (issue 30). This module
-runs the same modules' weights directly:
+matmuls. This module runs the same modules' weights directly (issue 30 took that overhead for most
+of a small model's step; measured, the two steps are level at 64 rows: docs/performance.md "FLOP/s
+account, a lean decode step and chunked rewards"):
 
 - q, k, v as one matmul and gate, up as one: the model's own parameters are made views of one
   fused weight per layer (`fuse_weights`), so the prefill (still the HF forward), weight sync
