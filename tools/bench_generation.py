@@ -268,10 +268,9 @@ def bench(name, contenders, reqs, repeats):
 def account(a, vocab: int, engine, mean_wall: float) -> None:
     """The new engine's phases per run of the fixed case, as seconds, GFLOP/s and share of the model rate."""
     sys.path.insert(0, _TOOLS)
-    from peak_flops import measure
-    from sim.flops import ModelShape, forward_flops, generation_flops
-    shape = ModelShape(hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
-                       head_dim=a.hidden // a.heads, ffn=a.ffn, vocab=vocab)
+    from peak_flops import dense_shape, measure
+    from sim.flops import forward_flops, generation_flops
+    shape = dense_shape(a.hidden, a.layers, a.heads, a.kv_heads, a.ffn, vocab)
     rows = a.prompts * a.k
     prefill_rows = a.prompts * a.prompt_len
     rates = measure(shape, [prefill_rows, rows], a.threads)["by_rows"]

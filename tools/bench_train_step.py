@@ -253,11 +253,10 @@ def phase_account(args, times, variants, p_len: int, r_len: int) -> None:
     """The project's step by phase (median over rounds), as seconds and GFLOP/s against the matmul
     rate at a micro-step's rows (tools/peak_flops.py, measured now). FLOPs are the unshared
     sequence's (tools/sim/flops.py), so a shared-prompt variant's rate counts the work it avoided."""
-    from peak_flops import measure
-    from sim.flops import ModelShape, forward_flops
+    from peak_flops import dense_shape, measure
+    from sim.flops import forward_flops
     hidden, layers, heads, kv, ffn, *_ = SETUPS[args.setup]
-    shape = ModelShape(hidden=hidden, layers=layers, heads=heads, kv_heads=kv, head_dim=hidden // heads, ffn=ffn,
-                       vocab=VOCAB)
+    shape = dense_shape(hidden, layers, heads, kv, ffn, VOCAB)
     rows = 32 * (p_len + r_len)      # ActorConfig's default micro_batch_size of 32 sequences
     rate = measure(shape, [rows], args.threads)["by_rows"][rows]["model_rate_flops"]
     fwd = GROUPS * K * forward_flops(shape, p_len + r_len)

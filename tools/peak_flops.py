@@ -25,11 +25,16 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_vs_trl import SETUPS  # noqa: E402 - (hidden, layers, heads, kv heads, ffn, prompt, new tokens)
 from sim.flops import ModelShape  # noqa: E402
 
-# tools/bench_vs_trl.py's setups: (hidden, layers, heads, kv heads, ffn); the char tokenizer's vocabulary
-SETUPS = {"small": (256, 4, 4, 2, 1024), "medium": (512, 8, 8, 4, 2048)}
-CHAR_VOCAB = 128
+CHAR_VOCAB = 128   # a round vocabulary for --setup (the runs' char tokenizer has fewer: the LM head is small either way)
+
+
+def dense_shape(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int) -> ModelShape:
+    """The Qwen2 shape of the benchmarks' random-init models (head_dim = hidden / heads)."""
+    return ModelShape(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=hidden // heads,
+                      ffn=ffn, vocab=vocab)
 
 
 def shape_of(setup: str | None, config_json: str | None) -> ModelShape:
@@ -38,9 +43,7 @@ def shape_of(setup: str | None, config_json: str | None) -> ModelShape:
             return ModelShape.from_hf_config(json.load(f))
     if setup not in SETUPS:
         sys.exit(f"--setup: '{setup}' is not one of {', '.join(SETUPS)} (or give --config-json)")
-    hidden, layers, heads, kv, ffn = SETUPS[setup]
-    return ModelShape(hidden=hidden, layers=layers, heads=heads, kv_heads=kv, head_dim=hidden // heads, ffn=ffn,
-                      vocab=CHAR_VOCAB)
+    return dense_shape(*SETUPS[setup][:5], vocab=CHAR_VOCAB)
 
 
 def linear_maps(shape: ModelShape) -> list[tuple[str, int, int, int]]:
