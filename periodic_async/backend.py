@@ -348,8 +348,8 @@ def get_backend(name: str, role: str | None = None) -> Backend:
     `role`: "trainer" (Megatron runs in this process) or "rollout" (only an inference engine: on
     npu no MindSpeed adaptor). None keeps the role this process already took, "trainer" if none,
     so a rollout worker names its role once, first, and later calls (weight_sync) keep it. The cpu
-    shims are applied for both roles: they only redirect CUDA calls to the CPU, and the CPU rollout
-    workers have always run with them."""
+    backend redirects torch's CUDA calls to the CPU for both roles and patches Megatron-core's
+    modules for the trainer only (a rollout worker never imports Megatron-core)."""
     global _ACTIVE, _ROLE
     if name not in _BACKENDS:
         raise BackendUnavailable(f"backend '{name}' is unknown; allowed: {', '.join(_BACKENDS)}")
@@ -363,7 +363,7 @@ def get_backend(name: str, role: str | None = None) -> Backend:
         raise RuntimeError("get_backend('npu', role='rollout') in a process that already imported "
                            "mindspeed.megatron_adaptor (a trainer set-up)")
     if name == "cpu":
-        apply_cpu_megatron_shims()
+        apply_cpu_megatron_shims(megatron=role == "trainer")
     elif name == "cuda":
         setup_cuda()
     else:

@@ -46,36 +46,40 @@ def megatron_fallback_note() -> Optional[str]:
             "optimizers, local multi-tensor kernels)")
 
 
-_CPU_SHIM_APPLIED = False
+_CPU_TORCH_SHIM_APPLIED = False
+_CPU_MEGATRON_SHIM_APPLIED = False
 
 
-def apply_cpu_megatron_shims() -> None:
+def apply_cpu_megatron_shims(megatron: bool = True) -> None:
     """Megatron-core assumes CUDA. On CPU, map the CUDA calls it makes onto the CPU device - the
     same idea as torch_npu's `transfer_to_npu` on Ascend:
     - `torch.cuda.current_device()` is passed as a `device=` in ~580 places: return "cpu";
     - `torch.cuda.synchronize()` (pipeline p2p) becomes a no-op;
     - `Tensor.cuda()` returns the tensor itself; `torch.zeros(device="cuda")` and the like in the
       pipeline schedules and the gradient-norm code (optimizer/clip_grads, utils) are made on CPU.
-    Applied once, idempotent, only for the cpu backend."""
-    global _CPU_SHIM_APPLIED
-    if _CPU_SHIM_APPLIED:
+    megatron=False (a rollout worker) applies the three torch-level redirects only: patching
+    Megatron's modules imports Megatron-core, ~3 s of a CPU worker's start that it never uses.
+    Applied once per part, idempotent, only for the cpu backend."""
+    global _CPU_TORCH_SHIM_APPLIED, _CPU_MEGATRON_SHIM_APPLIED
+    if not _CPU_TORCH_SHIM_APPLIED:
+        torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+        torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+        # With PP > 1 and tied embeddings, the last stage's copy is moved with `.cuda()` before its
+        # first all-reduce: on the cpu backend a tensor already is where it should be
+        # (transfer_to_npu maps the same call to the NPU).
+        torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[assignment]
+        _CPU_TORCH_SHIM_APPLIED = True
+    if not megatron or _CPU_MEGATRON_SHIM_APPLIED:
         return
-    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
-    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
-    # With PP > 1 and tied embeddings, the last stage's copy is moved with `.cuda()` before its
-    # first all-reduce: on the cpu backend a tensor already is where it should be (transfer_to_npu
-    # maps the same call to the NPU).
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[assignment]
     # The pipeline schedules count tokens in `torch.zeros(..., device="cuda")`: give that module
-    # a torch whose factory functions map "cuda" to the CPU (nothing else changes). Rollout workers
-    # import Megatron-core here only: its fallback warnings are filtered first.
+    # a torch whose factory functions map "cuda" to the CPU (nothing else changes).
     quiet_megatron_fallbacks()
     import megatron.core.utils as mcore_utils
     from megatron.core.optimizer import clip_grads
     from megatron.core.pipeline_parallel import schedules
     for module in (schedules, clip_grads, mcore_utils):
         module.torch = _CpuDeviceTorch()
-    _CPU_SHIM_APPLIED = True
+    _CPU_MEGATRON_SHIM_APPLIED = True
 
 
 class _CpuDeviceTorch:

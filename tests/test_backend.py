@@ -212,6 +212,22 @@ def test_npu_trainer_role_imports_mindspeeds_adaptor(tmp_path):
     """)
 
 
+def test_cpu_rollout_role_redirects_cuda_calls_without_importing_megatron(tmp_path):
+    """A CPU rollout worker gets torch's CUDA redirects but not Megatron-core (~3 s of every
+    worker's start, also through its later role-less calls); a trainer gets both, in that order
+    too (a process that ran a rollout engine first, then trains)."""
+    _npu_setup_in_subprocess(tmp_path, """
+        import torch
+        get_backend("cpu", role="rollout")
+        get_backend("cpu")                              # what weight_sync calls in the worker
+        assert str(torch.cuda.current_device()) == "cpu"
+        assert not any(m == "megatron" or m.startswith("megatron.") for m in sys.modules)
+        get_backend("cpu", role="trainer")
+        from megatron.core.pipeline_parallel import schedules
+        assert schedules.torch.zeros(2, device="cuda").device.type == "cpu"
+    """)
+
+
 def test_unknown_role():
     with pytest.raises(ValueError, match="allowed trainer, rollout"):
         get_backend("cpu", role="evaluator")
