@@ -190,6 +190,29 @@ def test_load_records_file_sources(tmp_path: Path) -> None:
         load_records(DataConfig(source="parquet"))
 
 
+def test_per_prompt_budgets_are_read_from_every_file_source_and_bad_ones_named(tmp_path: Path) -> None:
+    """data.max_new_tokens_key: each row's own generation budget (jsonl, parquet), checked per row."""
+    path = _write_lines(tmp_path / "x.jsonl", [json.dumps({"q": "a", "a": "1", "n": 3}),
+                                                json.dumps({"q": "b", "a": "2", "n": "12"})])
+    cfg = DataConfig(source="jsonl", path=path, prompt_key="q", answer_key="a", max_new_tokens_key="n")
+    assert [r.max_new_tokens for r in load_records(cfg)] == [3, 12]
+    assert [r.max_new_tokens for r in read_jsonl(path, "q", "a")] == [None, None]     # no key: none read
+    pq.write_table(pa.table({"q": ["a", "b"], "a": ["1", "2"], "n": [5, 7]}), str(tmp_path / "x.parquet"))
+    pcfg = DataConfig(source="parquet", path=str(tmp_path / "x.parquet"), prompt_key="q", answer_key="a",
+                      max_new_tokens_key="n")
+    assert [r.max_new_tokens for r in load_records(pcfg)] == [5, 7]
+    for bad in (0, -2, 2.5, True, "x"):
+        _write_lines(tmp_path / "x.jsonl", [json.dumps({"q": "a", "a": "1", "n": 3}), json.dumps({"q": "b", "a": "2", "n": bad})])
+        with pytest.raises(DatasetError, match=rf"x.jsonl:2: 'n' must be a positive integer .*got {bad!r}"):
+            load_records(cfg)
+    _write_lines(tmp_path / "x.jsonl", [json.dumps({"q": "a", "a": "1"})])
+    with pytest.raises(DatasetError, match="x.jsonl:1: missing key 'n'"):
+        load_records(cfg)
+    pq.write_table(pa.table({"q": ["a"], "a": ["1"]}), str(tmp_path / "x.parquet"))
+    with pytest.raises(DatasetError, match="missing column 'n'"):
+        load_records(pcfg)
+
+
 def test_load_records_synthetic_is_the_seeded_task() -> None:
     from periodic_async.data.synthetic import answer_for, make_records
     task = SyntheticTaskConfig(size=5, num_digits=3)
@@ -285,3 +308,40 @@ def test_skip_bad_rows_leaves_out_each_bad_row_and_counts_them(tmp_path: Path, c
     bad = _write_lines(tmp_path / "z.jsonl", ["[1]", "{"])
     with pytest.raises(DatasetError, match=r"z\.jsonl: every row is bad \(2 rows; the first: .*z\.jsonl:1: expected"):
         load_records(DataConfig(source="jsonl", path=bad, skip_bad_rows=True))
+
+
+@pytest.mark.parametrize("selection", ["none", "backfill"])
+def test_each_prompt_is_generated_to_its_own_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, selection: str) -> None:
+    """A run with per-prompt budgets and rollout.ignore_eos: every response is exactly its prompt's
+    budget long, through the plain batch plan and the selection rules' plan (backfill), and a budget
+    over rollout.max_new_tokens stops the run naming the row."""
+    from periodic_async.config import load_config
+    from periodic_async.rollout.hf_engine import HFRolloutEngine
+    from periodic_async.train.trainer import Trainer
+    # question "7" * j + "=" (j + 1 characters) has budget j + 1, so with the char tokenizer every
+    # response is as long as its prompt's ids minus a constant; 2..9 tokens under a cap of 10
+    rows = [{"question": "7" * j + "=", "answer": "7", "n": j + 1} for j in range(1, 9)]
+    path = _write_lines(tmp_path / "b.jsonl", [json.dumps(r) for r in rows])
+    overrides = [f"trainer.run_dir={tmp_path / 'run'}", "data.source=jsonl", f"data.path={path}", "data.chat_template=none",
+                 "data.max_new_tokens_key=n", "data.train_batch_size=8", "rollout.n=2", "rollout.max_new_tokens=10",
+                 "rollout.ignore_eos=true", "trainer.mode=sync", "trainer.total_steps=2", "reward.num_workers=0",
+                 "trainer.save_final=false", "trainer.progress_bar=false"]
+    if selection != "none":
+        overrides.append(f"rollout.selection={selection}")
+    seen: list[tuple[int, int]] = []
+    serve = HFRolloutEngine.serve
+
+    def recording(self, *args, **kwargs):
+        for finished in serve(self, *args, **kwargs):
+            seen.extend((len(r.prompt_ids), len(r.response_ids)) for r in finished)
+            yield finished
+    monkeypatch.setattr(HFRolloutEngine, "serve", recording)
+    Trainer(load_config("configs/default.yaml", overrides)).fit()
+    assert len(seen) >= 2 * 8 * 2
+    assert len({p - r for p, r in seen}) == 1, seen          # each as long as its own budget
+    assert len({r for _, r in seen}) > 4                     # and the budgets differ
+    with pytest.raises(DatasetError, match=r"b.jsonl: row index 7: 'n' is 9, over rollout.max_new_tokens \(8\)"):
+        Trainer(load_config("configs/default.yaml", overrides + ["rollout.max_new_tokens=8"]))
+    from periodic_async.config import ConfigError
+    with pytest.raises(ConfigError, match="data.max_new_tokens_key: .* not from data.source 'synthetic'"):
+        load_config("configs/default.yaml", ["data.max_new_tokens_key=n"]).validate(world_size=1)

@@ -56,6 +56,10 @@ class DataConfig:
     path: Optional[str] = None
     prompt_key: str = "question"
     answer_key: str = "answer"
+    # A column with each prompt's own generation budget (a positive integer <= rollout.max_new_tokens):
+    # its responses stop there (and at EOS). null: every prompt has rollout.max_new_tokens. jsonl /
+    # parquet / hf sources; the long-tailed setup of tools/bench_vs_trl.py uses it.
+    max_new_tokens_key: Optional[str] = None
     synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
     train_batch_size: int = 32  # prompts per step
     # Validation prompts (train/validation.py): val_path, a file in data.source's format (jsonl /

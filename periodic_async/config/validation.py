@@ -45,6 +45,9 @@ def validate(cfg: Config, world_size: Optional[int] = None, num_heads: Optional[
         if cfg.data.synthetic.task in ("countdown", "reverse") and cfg.data.synthetic.long_tail_max > 26:
             raise ConfigError(f"data.synthetic.long_tail_max: {cfg.data.synthetic.task} answers are at most 26 letters long, got "
                               f"{cfg.data.synthetic.long_tail_max}")
+    if cfg.data.max_new_tokens_key is not None and cfg.data.source not in ("jsonl", "parquet", "hf"):
+        raise ConfigError(f"data.max_new_tokens_key: per-prompt budgets are read from a jsonl / parquet / hf "
+                          f"source's column, not from data.source '{cfg.data.source}'")
     _choice("data.chat_template", cfg.data.chat_template, ("auto", "none"))
     _choice("data.overlong_prompt", cfg.data.overlong_prompt, ("error", "skip", "truncate_left"))
     check_prompt_template(cfg.data.prompt_template)

@@ -46,9 +46,18 @@ def _field(row: dict, key: str, where: str) -> str:
     return value if isinstance(value, str) else str(value)
 
 
-def _record(row: dict, prompt_key: str, answer_key: str, index: int, where: str) -> PromptRecord:
+def _budget(row: dict, key: str, where: str) -> int:
+    """row[key] as a generation budget: a positive integer (3 or "3"; not 2.5, true or 0)."""
+    value = _field(row, key, where)
+    if not value.isdigit() or int(value) < 1 or isinstance(row[key], bool):
+        raise DatasetError(f"{where}: '{key}' must be a positive integer (a generation budget in tokens), got {row[key]!r}")
+    return int(value)
+
+
+def _record(row: dict, prompt_key: str, answer_key: str, index: int, where: str,
+            budget_key: Optional[str] = None) -> PromptRecord:
     return PromptRecord(prompt=_field(row, prompt_key, where), answer=_field(row, answer_key, where),
-                        index=index)
+                        index=index, max_new_tokens=_budget(row, budget_key, where) if budget_key else None)
 
 
 def _jsonl_row(line: str, where: str) -> dict:
@@ -62,7 +71,7 @@ def _jsonl_row(line: str, where: str) -> dict:
 
 
 def read_jsonl(path: str, prompt_key: str, answer_key: str,
-               bad_rows: Optional[list[str]] = None) -> list[PromptRecord]:
+               bad_rows: Optional[list[str]] = None, budget_key: Optional[str] = None) -> list[PromptRecord]:
     """One JSON object per line; blank lines are skipped and do not count as rows. `bad_rows`: None
     raises on the first bad row; a list collects each bad row's error and leaves the row out."""
     _require_file(path)
@@ -73,7 +82,7 @@ def read_jsonl(path: str, prompt_key: str, answer_key: str,
                 continue
             where = f"{path}:{lineno}"
             try:
-                records.append(_record(_jsonl_row(line, where), prompt_key, answer_key, len(records), where))
+                records.append(_record(_jsonl_row(line, where), prompt_key, answer_key, len(records), where, budget_key))
             except DatasetError as e:
                 if bad_rows is None:
                     raise
@@ -82,17 +91,19 @@ def read_jsonl(path: str, prompt_key: str, answer_key: str,
 
 
 def _records_from_columns(columns: dict[str, list[Any]], names: list[str], prompt_key: str,
-                          answer_key: str, path: str, bad_rows: Optional[list[str]] = None) -> list[PromptRecord]:
+                          answer_key: str, path: str, bad_rows: Optional[list[str]] = None,
+                          budget_key: Optional[str] = None) -> list[PromptRecord]:
     """Shared by the Parquet and Hugging Face readers, which both hand over whole columns. A missing
     column is always an error; a bad row (null value) is one too unless `bad_rows` collects it."""
-    for key in (prompt_key, answer_key):
+    keys = (prompt_key, answer_key) + ((budget_key,) if budget_key else ())
+    for key in keys:
         if key not in names:
             raise DatasetError(f"{path}: missing column '{key}' (columns present: {', '.join(names) or 'none'})")
     records: list[PromptRecord] = []
-    for i, (p, a) in enumerate(zip(columns[prompt_key], columns[answer_key])):
+    for i, values in enumerate(zip(*(columns[k] for k in keys))):
         try:
-            records.append(_record({prompt_key: p, answer_key: a}, prompt_key, answer_key, len(records),
-                                   f"{path}: row index {i}"))
+            records.append(_record(dict(zip(keys, values)), prompt_key, answer_key, len(records),
+                                   f"{path}: row index {i}", budget_key))
         except DatasetError as e:
             if bad_rows is None:
                 raise
@@ -101,18 +112,18 @@ def _records_from_columns(columns: dict[str, list[Any]], names: list[str], promp
 
 
 def read_parquet(path: str, prompt_key: str, answer_key: str,
-                 bad_rows: Optional[list[str]] = None) -> list[PromptRecord]:
+                 bad_rows: Optional[list[str]] = None, budget_key: Optional[str] = None) -> list[PromptRecord]:
     """A Parquet file read with pyarrow; only the two needed columns are materialised."""
     import pyarrow.parquet as pq
 
     _require_file(path)
     try:
         names = pq.read_schema(path).names
-        wanted = [k for k in (prompt_key, answer_key) if k in names]
+        wanted = [k for k in (prompt_key, answer_key, budget_key) if k and k in names]
         table = pq.read_table(path, columns=wanted)
     except Exception as e:  # pyarrow raises several unrelated types for a corrupt file
         raise DatasetError(f"{path}: not a readable Parquet file ({e})") from None
-    return _records_from_columns(table.to_pydict(), names, prompt_key, answer_key, path, bad_rows)
+    return _records_from_columns(table.to_pydict(), names, prompt_key, answer_key, path, bad_rows, budget_key)
 
 
 def _hf_pick_split(ds: Any, split: str, path: str) -> Any:
@@ -142,7 +153,8 @@ def _hf_load(datasets: Any, path: str, split: str, cache_dir: Optional[str]) -> 
 
 
 def read_hf(path: str, prompt_key: str, answer_key: str, split: str = "train",
-            cache_dir: Optional[str] = None, bad_rows: Optional[list[str]] = None) -> list[PromptRecord]:
+            cache_dir: Optional[str] = None, bad_rows: Optional[list[str]] = None,
+            budget_key: Optional[str] = None) -> list[PromptRecord]:
     """A Hugging Face dataset from a LOCAL path only; the hub is never contacted.
 
     The path must exist before `datasets` is called, which is what keeps a typo from turning into
@@ -161,8 +173,8 @@ def read_hf(path: str, prompt_key: str, answer_key: str, split: str = "train",
     except Exception as e:  # datasets raises many types (FileNotFoundError, ValueError, its own)
         raise DatasetError(f"{path}: could not load with datasets ({type(e).__name__}: {e})") from None
     names = list(ds.column_names)
-    columns = {k: ds[k] for k in (prompt_key, answer_key) if k in names}
-    return _records_from_columns(columns, names, prompt_key, answer_key, path, bad_rows)
+    columns = {k: ds[k] for k in (prompt_key, answer_key, budget_key) if k and k in names}
+    return _records_from_columns(columns, names, prompt_key, answer_key, path, bad_rows, budget_key)
 
 
 def load_gsm8k_sample() -> list[PromptRecord]:
@@ -194,16 +206,26 @@ def load_records(cfg: DataConfig) -> list[PromptRecord]:
     path = cfg.path
     if not path:
         raise DatasetError(f"data.path: required when data.source is '{cfg.source}'")
+    budget_key = cfg.max_new_tokens_key
     if not cfg.skip_bad_rows:
-        return readers[cfg.source](path, cfg.prompt_key, cfg.answer_key)
+        return readers[cfg.source](path, cfg.prompt_key, cfg.answer_key, budget_key=budget_key)
     bad: list[str] = []
-    records = readers[cfg.source](path, cfg.prompt_key, cfg.answer_key, bad_rows=bad)
+    records = readers[cfg.source](path, cfg.prompt_key, cfg.answer_key, bad_rows=bad, budget_key=budget_key)
     if bad:
         if not records:
             raise DatasetError(f"{path}: every row is bad ({len(bad)} rows; the first: {bad[0]})")
         log.warning("data.skip_bad_rows: left out %d bad row(s) of %s, e.g. %s", len(bad), path,
                     "; ".join(bad[:3]))
     return records
+
+
+def check_budgets(records: list[PromptRecord], cfg: DataConfig, path: str, cap: int) -> None:
+    """Every per-prompt budget (data.max_new_tokens_key) within rollout.max_new_tokens, which sizes
+    the engines' KV caches and the trainer's sequences."""
+    over = next((r for r in records if r.max_new_tokens is not None and r.max_new_tokens > cap), None)
+    if over is not None:
+        raise DatasetError(f"{path}: row index {over.index}: '{cfg.max_new_tokens_key}' is {over.max_new_tokens}, "
+                           f"over rollout.max_new_tokens ({cap})")
 
 
 # ---------------------------------------------------------------- loader

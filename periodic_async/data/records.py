@@ -15,3 +15,4 @@ class PromptRecord:
     prompt: str
     answer: str
     index: int  # 0-based position of the row in its source
+    max_new_tokens: int | None = None   # this prompt's own generation budget (data.max_new_tokens_key)

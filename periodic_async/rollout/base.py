@@ -8,7 +8,7 @@ whatever else is batched with it, which is what lets `periodic` be compared with
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 if TYPE_CHECKING:   # the types are torch-free, so the scheduling side can use them without torch
@@ -25,6 +25,11 @@ class SamplingParams:
     # True: the engine does not stop on the tokenizer's EOS (nor add it to the stops): every
     # response runs to max_new_tokens unless it hits one of stop_token_ids (benchmarks)
     ignore_eos: bool = False
+
+
+def with_budget(sampling: SamplingParams, max_new_tokens: int | None) -> SamplingParams:
+    """`sampling` with a prompt's own generation budget (data.max_new_tokens_key), or as it is."""
+    return sampling if max_new_tokens is None else replace(sampling, max_new_tokens=max_new_tokens)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..data.records import DatasetError
-from ..rollout.base import RolloutRequest, RolloutResult, SamplingParams
+from ..rollout.base import RolloutRequest, RolloutResult, SamplingParams, with_budget
 from .alloc_types import AllocRequest, Candidate
 from .group import Group
 from .group_sizing import FixedGroupSize, prompt_key
@@ -84,7 +84,7 @@ class AllocatedPlan(BatchPlan):
     as the step goes: pilots then commits, or full groups and backfills. Slots are the rule's (group_index = slot of every
     request, which fixes the seed); a trainable group takes the next free training position as it
     becomes ready, so positions follow readiness order, and decisions never do (the rule's
-    promise). `prompt_of(key)` -> (prompt ids, answer) of a drawn prompt."""
+    promise). `prompt_of(key)` -> (prompt ids, answer, its generation budget or None) of a drawn prompt."""
     selection: object = None        # the rule (selection/__init__.py: its contract)
     prompt_of: Callable = None
     sampling: SamplingParams = None
@@ -106,10 +106,11 @@ class AllocatedPlan(BatchPlan):
         return {i: self.group_size for i in range(self.max_groups)}
 
     def to_request(self, req: AllocRequest) -> RolloutRequest:
-        ids, answer = self.prompt_of(req.key)
+        ids, answer, budget = self.prompt_of(req.key)
         self.answers[req.slot] = answer
         self._phases[(req.slot, tuple(req.sample_indices))] = req.phase
-        return RolloutRequest(req.slot, ids, req.group_size, self.sampling, request_seed(self.seed, self.step, req.slot),
+        return RolloutRequest(req.slot, ids, req.group_size, with_budget(self.sampling, budget),
+                              request_seed(self.seed, self.step, req.slot),
                               sample_indices=list(req.sample_indices))
 
     def on_scored(self, request: RolloutRequest, part: Group) -> tuple[list[RolloutRequest], list[Group]]:
@@ -209,7 +210,8 @@ class BatchPlanner:
             k = int(self.group_sizer.group_size(step, i))
             if k < 2:
                 raise ValueError(f"group size {k} for prompt {i} of step {step}: a group needs at least 2 responses")
-            requests.append(RolloutRequest(i, ids, k, self.sampling, request_seed(self.seed, step, i)))
+            requests.append(RolloutRequest(i, ids, k, with_budget(self.sampling, records[i][0].max_new_tokens),
+                                           request_seed(self.seed, step, i)))
         return BatchPlan(step, requests, {i: rec.answer for i, (rec, _) in enumerate(records)},
                          records={i: (rec.index, epoch) for i, (rec, epoch) in enumerate(records)})
 
@@ -286,5 +288,6 @@ class BatchPlanner:
             self._ids[index] = self.tokenize(self._records[index])
         return self._ids[index]
 
-    def _prompt_of(self, index: int) -> tuple[list[int], str]:
-        return self._prompt_ids(index), self._records[index].answer
+    def _prompt_of(self, index: int) -> tuple[list[int], str, int | None]:
+        rec = self._records[index]
+        return self._prompt_ids(index), rec.answer, rec.max_new_tokens

@@ -123,9 +123,11 @@ class Trainer:
         if cfg.model.path:
             from ..models.convert import check_checkpoint
             check_checkpoint(cfg.model.path)
-        from ..data.dataset import load_records
+        from ..data.dataset import check_budgets, load_records
         from .validation import split_validation
         records, val_records = split_validation(load_records(cfg.data), cfg.data)
+        check_budgets(records, cfg.data, cfg.data.path, cfg.rollout.max_new_tokens)
+        check_budgets(val_records, cfg.data, cfg.data.val_path or cfg.data.path, cfg.rollout.max_new_tokens)
         if int(os.environ.get("RANK", "0")) != 0:
             return None, None
         return records, val_records

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from ..rollout.base import RolloutRequest, SamplingParams
+from ..rollout.base import RolloutRequest, SamplingParams, with_budget
 from ..scheduling.plan import request_seed
 
 VAL_SEED_OFFSET = 7919      # validation draws never coincide with a training step's
@@ -48,10 +48,11 @@ class Validator:
         greedy = dataclasses.replace(sampling, temperature=0.0)
         m = len(records)
         # group indices: greedy i, sampled m + i (one dispatch, unique keys)
-        self.requests = ([RolloutRequest(i, p, 1, greedy, request_seed(seed + VAL_SEED_OFFSET, 0, i))
-                          for i, p in enumerate(prompts)] +
-                         [RolloutRequest(m + i, p, n, sampling, request_seed(seed + VAL_SEED_OFFSET, 1, i))
-                          for i, p in enumerate(prompts)])
+        budgets = [r.max_new_tokens for r in records]
+        self.requests = ([RolloutRequest(i, p, 1, with_budget(greedy, b), request_seed(seed + VAL_SEED_OFFSET, 0, i))
+                          for i, (p, b) in enumerate(zip(prompts, budgets))] +
+                         [RolloutRequest(m + i, p, n, with_budget(sampling, b), request_seed(seed + VAL_SEED_OFFSET, 1, i))
+                          for i, (p, b) in enumerate(zip(prompts, budgets))])
 
     def run(self, producer, reward, decode) -> dict[str, float]:
         """Generate through `producer.generate_eval`, score with the reward manager."""
