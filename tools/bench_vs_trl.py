@@ -20,6 +20,14 @@ same cheap reward (the share of '7's in the response), temperature 1, 2 CPU thre
   periodic_split / periodic_split_shared (rollout.cpu_cores=split: the worker on one core, the
   trainer on the other).
 
+Setups: small and medium have fixed lengths; long_tail has small's shapes and long-tailed lengths
+(LONG_TAIL_ALPHA): each prompt's K completions are its budget n long, on the project's side through
+data.max_new_tokens_key (+ ignore_eos), on TRL's through a logits processor that masks EOS before n
+and forces it at n (tools/trl_grpo_run.py --budgets); prompts in file order on both sides
+(data.shuffle=false, TRL shuffle_dataset=False), so step s has the same lengths everywhere. HF
+generate in TRL decodes all 64 rows until the step's longest is done (finished rows ride along);
+the project's engine drops finished rows.
+
 The FLOP/s account (issue 30; off with --no-account): tools/peak_flops.py measures the matmul rate at
 the setup's own shapes (training rows: micro-batch x (P + 64) tokens; decode rows: 64) and the
 fastest shape (peak) in this process before the runs; every side's useful FLOPs per step (generation
@@ -56,7 +64,13 @@ TRL_CONSTRAINTS = os.path.join(ROOT, "tools", "trl-constraints.txt")
 TRL_PINS = ["torch==2.13.0", "transformers==5.19.0", "trl==1.16.0"]
 
 # name: (hidden, layers, heads, kv heads, ffn, prompt tokens, new tokens)
-SETUPS = {"small": (256, 4, 4, 2, 1024, 64, 64), "medium": (512, 8, 8, 4, 2048, 128, 64)}
+SETUPS = {"small": (256, 4, 4, 2, 1024, 64, 64), "medium": (512, 8, 8, 4, 2048, 128, 64),
+          "long_tail": (256, 4, 4, 2, 1024, 64, 64)}
+# Setups with long-tailed lengths: each prompt's completions are n tokens, n on 1..new drawn with
+# P(n) ~ n ** -alpha (the long_tail task's law, data/synthetic.py; alpha 1: p50 ~8, mean ~13.5, and
+# about 1 prompt in 7 at 32 or more), the same n for all K of a prompt; prompts in file order on
+# both sides, so every step has the same lengths.
+LONG_TAIL_ALPHA = {"long_tail": 1.0}
 PROMPTS_PER_STEP, K = 8, 8
 MODES = {"periodic": ["trainer.mode=periodic", "rollout.num_workers=1"],
          "sync_shared": ["trainer.mode=sync", "actor.shared_prompt=true"],
@@ -102,8 +116,9 @@ def ensure_trl_venv() -> str:
     return py
 
 
-def make_work(d: str, setup: str, steps: int, seed: int) -> tuple[str, str, str]:
-    """The model directory (HF Qwen2 + char tokenizer), the prompts jsonl and the reward file."""
+def make_work(d: str, setup: str, steps: int, seed: int) -> tuple[str, str, str, list | None]:
+    """The model directory (HF Qwen2 + char tokenizer), the prompts jsonl, the reward file, and
+    each prompt's length budget in file order (long-tailed setups; None: all `new` tokens)."""
     sys.path.insert(0, ROOT)
     from periodic_async.models.tiny import make_random_model_dir
     from periodic_async.models.tokenizer import build_char_tokenizer, mark_char_tokenizer
@@ -115,35 +130,49 @@ def make_work(d: str, setup: str, steps: int, seed: int) -> tuple[str, str, str]
     tok.save_pretrained(model_dir)
     mark_char_tokenizer(model_dir)
     rng = random.Random(seed)
+    budgets = None
+    if setup in LONG_TAIL_ALPHA:
+        from periodic_async.data.synthetic import long_tail_length_pmf
+        lengths, probs = long_tail_length_pmf(new, LONG_TAIL_ALPHA[setup])
+        budgets = [int(x) for x in rng.choices(list(lengths), weights=list(probs), k=PROMPTS_PER_STEP * (steps + 2))]
     prompts = os.path.join(d, "prompts.jsonl")
     with open(prompts, "w") as f:
-        for _ in range(PROMPTS_PER_STEP * (steps + 2)):
+        for i in range(PROMPTS_PER_STEP * (steps + 2)):
             s = "".join(rng.choice("0123456789") for _ in range(plen - 1)) + "="
             assert len(tok(s, add_special_tokens=False).input_ids) == plen
-            f.write(json.dumps({"question": s, "answer": ""}) + "\n")
+            f.write(json.dumps({"question": s, "answer": "", **({"n": budgets[i]} if budgets else {})}) + "\n")
     reward = os.path.join(d, "reward.py")
     with open(reward, "w") as f:
         f.write(REWARD)
-    return model_dir, prompts, reward
+    return model_dir, prompts, reward, budgets
+
+
+def step_lengths(budgets: list | None, step: int, new: int) -> list[int]:
+    """The completion lengths of optimizer step `step` (1-based): K per prompt, prompts in file order."""
+    if budgets is None:
+        return [new] * (PROMPTS_PER_STEP * K)
+    return [n for n in budgets[(step - 1) * PROMPTS_PER_STEP: step * PROMPTS_PER_STEP] for _ in range(K)]
 
 
 def run_trl(py: str, work, setup: str, steps: int, micro_batch: int, threads: int, run_dir: str,
             grad_ckpt: bool) -> list[float]:
-    model_dir, prompts, reward = work
+    model_dir, prompts, reward, budgets = work
     _, _, _, _, _, plen, new = SETUPS[setup]
     out = os.path.join(run_dir, "trl_times.json")
     cmd = [py, os.path.join(ROOT, "tools", "trl_grpo_run.py"), "--model-dir", model_dir, "--prompts", prompts,
            "--reward", reward, "--steps", str(steps), "--out", out, "--micro-batch", str(micro_batch),
            "--prompt-len", str(plen), "--new-tokens", str(new), "--threads", str(threads),
-           "--run-dir", os.path.join(run_dir, "trl")] + (["--gradient-checkpointing"] if grad_ckpt else [])
+           "--run-dir", os.path.join(run_dir, "trl")] + (["--gradient-checkpointing"] if grad_ckpt else []) + \
+        (["--budgets"] if budgets else [])
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     env.pop("PYTHONPATH", None)
     _run(cmd, env, "trl")
     with open(out) as f:
         res = json.load(f)
     lens = res["mean_completion_length"]
-    if lens and any(abs(x - new) > 1e-6 for x in lens):
-        sys.exit(f"TRL completions were not all {new} tokens: mean lengths {lens}")
+    want = [statistics.fmean(step_lengths(budgets, i + 1, new)) for i in range(len(lens))]
+    if any(abs(x - w) > 1e-6 for x, w in zip(lens, want)):
+        sys.exit(f"TRL completions were not the budgeted lengths: mean lengths {lens}, expected {want}")
     return res["step_s"]
 
 
@@ -165,7 +194,7 @@ def stage_account(run_dir: str, warmup: int) -> dict:
 
 def run_project(work, setup: str, mode: str, steps: int, micro_batch: int, run_dir: str,
                 account: bool = False) -> list[float]:
-    model_dir, prompts, reward = work
+    model_dir, prompts, reward, budgets = work
     _, _, _, _, _, plen, new = SETUPS[setup]
     cmd = [sys.executable, "-m", "periodic_async", "--config", os.path.join(ROOT, "configs", "default.yaml"),
            f"model.path={model_dir}", "data.source=jsonl", f"data.path={prompts}", "data.chat_template=none",
@@ -175,15 +204,18 @@ def run_project(work, setup: str, mode: str, steps: int, micro_batch: int, run_d
            "reward.name=custom", f"reward.custom_file={reward}", "reward.num_workers=1",
            f"trainer.total_steps={steps}", "trainer.save_final=false", "trainer.save_every=0",
            "trainer.progress_bar=false", "trainer.tensorboard=false", f"trainer.run_dir={run_dir}", *MODES[mode],
-           *(["trainer.record_timeline=true"] if account else [])]
+           *(["trainer.record_timeline=true"] if account else []),
+           *(["data.max_new_tokens_key=n", "data.shuffle=false"] if budgets else [])]
     _run(cmd, dict(os.environ, PYTHONPATH=ROOT, TOKENIZERS_PARALLELISM="false"), f"project {mode}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         recs = [json.loads(line) for line in f if line.strip()]
     recs = [r for r in recs if "timing_s/step" in r]
     for r in recs:
-        for key, want in (("response_length/min", new), ("response_length/max", new), ("prompt_length/mean", plen)):
+        lens = step_lengths(budgets, r["step"], new)
+        for key, want in (("response_length/min", min(lens)), ("response_length/max", max(lens)),
+                          ("response_length/mean", statistics.fmean(lens)), ("prompt_length/mean", plen)):
             if abs(r.get(key, want) - want) > 1e-6:
-                sys.exit(f"project {mode}: {key} = {r[key]}, expected {want}")
+                sys.exit(f"project {mode}: step {r['step']}: {key} = {r[key]}, expected {want}")
     return [r["timing_s/step"] for r in recs]
 
 
@@ -234,13 +266,15 @@ def main():
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     for setup in a.setups.split(","):
         hidden, layers, heads, kv, ffn, plen, new = SETUPS[setup]
-        step_tokens = PROMPTS_PER_STEP * K * (plen + new)
         times = {s: [] for s in sides}
         stages = {s: [] for s in sides}
         with (contextlib.nullcontext(os.path.join(a.keep_runs, setup)) if a.keep_runs
               else tempfile.TemporaryDirectory(prefix=f"bench_vs_trl_{setup}_")) as d:
             os.makedirs(d, exist_ok=True)
             work = make_work(d, setup, a.steps, a.seed)
+            measured_lengths = [step_lengths(work[3], i, new) for i in range(a.warmup + 1, a.steps + 1)]
+            # the mean tokens of a measured step (every side runs the same steps)
+            step_tokens = statistics.fmean(sum(plen + n for n in step) for step in measured_lengths)
             if not a.no_account:
                 from peak_flops import measure
                 from sim.flops import ModelShape
@@ -285,7 +319,7 @@ def main():
                          step_tokens / med / ref_med))
         raw[setup] = times
         if not a.no_account:
-            useful = useful_flops_per_step(shape, plen, new)
+            useful = useful_flops_per_step(shape, plen, measured_lengths)
             peak = rates["peak_flops"]
             decode_rate = rates["by_rows"][PROMPTS_PER_STEP * K]["model_rate_flops"]
             train_rate = rates["by_rows"][train_rows]["model_rate_flops"]
@@ -326,7 +360,7 @@ def main():
     table = "\n".join(lines)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = (f"bench_vs_trl {stamp}: steps {a.steps}, warm-up {a.warmup}, repeats {a.repeats}, micro-batch "
-              f"{a.micro_batch}, {a.threads} threads; tokens = 64 x (prompt + 64) per step")
+              f"{a.micro_batch}, {a.threads} threads; tokens = prompt + completion, per completion, 64 completions per step")
     print("\n" + header + "\n\n" + table + "\n")
     if a.write_docs:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
