@@ -176,11 +176,13 @@ def run_trl(py: str, work, setup: str, steps: int, micro_batch: int, threads: in
     return res["step_s"]
 
 
-def useful_flops_per_step(shape, plen: int, new: int) -> dict:
-    """Per step: generation and the policy's forward + backward, the same on both sides."""
+def useful_flops_per_step(shape, plen: int, lengths: list[list[int]]) -> dict:
+    """Per step (the mean over `lengths`, each step's completion lengths): generation and the
+    policy's forward + backward, the same on both sides."""
     from sim.flops import forward_flops, generation_flops
-    n = PROMPTS_PER_STEP * K
-    return {"generate": n * generation_flops(shape, plen, new), "train": n * 3 * forward_flops(shape, plen + new)}
+    gen = statistics.fmean(sum(generation_flops(shape, plen, n) for n in step) for step in lengths)
+    train = statistics.fmean(sum(3 * forward_flops(shape, plen + n) for n in step) for step in lengths)
+    return {"generate": gen, "train": train}
 
 
 def stage_account(run_dir: str, warmup: int) -> dict:
