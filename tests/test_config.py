@@ -221,3 +221,11 @@ def test_synthetic_task_sizes_are_validated(override, message):
     stops the run first, naming the key."""
     with pytest.raises(ConfigError, match=message):
         load_config("configs/default.yaml", [override]).validate(world_size=1)
+
+
+def test_compile_decode_is_refused_where_it_cannot_run():
+    with pytest.raises(ConfigError, match="rollout.compile_decode: compiles the hf engine's decode step; rollout.engine is 'vllm'"):
+        load_config(DEFAULT, ["rollout.compile_decode=true", "rollout.engine=vllm"]).validate(world_size=1)
+    with pytest.raises(ConfigError, match="rollout.compile_decode: not on npu"):
+        load_config(DEFAULT, ["rollout.compile_decode=true", "backend=npu"]).validate(world_size=1)
+    load_config(DEFAULT, ["rollout.compile_decode=true"]).validate(world_size=1)

@@ -183,6 +183,24 @@ def test_lean_decode_equals_the_transformers_decode_step(ref_model):
         HFRolloutEngine(path, tok.pad_token_id, tok.eos_token_id, decode="fast")
 
 
+def test_compiled_decode_step_equals_the_eager_one(ref_model):
+    """rollout.compile_decode: the lean step through torch.compile (dynamic rows and cache width)
+    gives the eager step's tokens and log-probs within 1e-5, through refills and finished rows,
+    and it is the step taken; an engine without the lean step refuses it."""
+    path, tok = ref_model
+    eager = HFRolloutEngine(path, tok.pad_token_id, tok.eos_token_id, max_slots=5)
+    compiled = HFRolloutEngine(path, tok.pad_token_id, tok.eos_token_id, max_slots=5, compile_decode=True)
+    assert compiled._compiled_step is not None and eager._compiled_step is None
+    reqs = _mixed_requests(tok)
+    calls = []
+    step = compiled._compiled_step
+    compiled._compiled_step = lambda *a: calls.append(1) or step(*a)
+    _check_equal(list(compiled.generate(reqs)), list(eager.generate(reqs)))
+    assert calls
+    with pytest.raises(ValueError, match="compile_decode needs the lean decode step"):
+        HFRolloutEngine(path, tok.pad_token_id, tok.eos_token_id, decode="hf", compile_decode=True)
+
+
 def test_engine_reports_idle_before_it_hands_out_its_last_results(ref_model):
     """With shared CPU cores (backend.CoreSeat) a worker's idle report is what gives the trainer
     every core: it must come before the batch's last results leave, or the first micro-step,

@@ -2,7 +2,9 @@
 (a frozen copy below: per-row sampling, finished rows kept in the batch, the whole active set
 re-prefilled at every refill, each prompt prefilled K times) and transformers' `generate` (what TRL
 does: one static batch, sampled). "new engine" decodes with rollout/lean_decode.py (the default);
-"hf decode" is the same engine with decode="hf" (each decode step through the transformers forward).
+"hf decode" is the same engine with decode="hf" (each decode step through the transformers forward);
+with --compiled, "compiled" is the engine with compile_decode=True (rollout.compile_decode), its
+compile left out of the timed runs and printed.
 
 A random-init Qwen2 ("small": hidden 256, 4 layers, 4 heads / 2 KV heads, ffn 1024; vocabulary of
 the char tokenizer unless --vocab), fp32, on the CPU with --threads torch threads. No EOS and no
@@ -309,6 +311,8 @@ def main():
     p.add_argument("--var-slots", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--compiled", action="store_true", help="add the engine with rollout.compile_decode (its "
+                   "compile is done in an untimed run of each case's requests first)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     from transformers import Qwen2ForCausalLM
@@ -324,6 +328,8 @@ def main():
             engines[slots_case] = {"new engine": HFRolloutEngine(d, 0, None, max_slots=slots),
                                    "hf decode": HFRolloutEngine(d, 0, None, max_slots=slots, decode="hf"),
                                    "old engine": OldHFRolloutEngine(d, 0, None, max_slots=slots)}
+            if a.compiled:
+                engines[slots_case]["compiled"] = HFRolloutEngine(d, 0, None, max_slots=slots, compile_decode=True)
     print(f"model: Qwen2 hidden {a.hidden}, {a.layers} layers, {a.heads} heads / {a.kv_heads} KV heads, ffn {a.ffn}, "
           f"vocab {vocab}, fp32, {torch.get_num_threads()} torch threads; best of {a.repeats}")
     warm = [RolloutRequest(0, [1, 2, 3], 2, SamplingParams(max_new_tokens=4), 0)]
@@ -337,6 +343,13 @@ def main():
         out["hf generate"] = lambda r: run_hf_generate(hf, r)
         return out
 
+    if a.compiled:      # compile (and recompile for these shapes) outside the timed runs
+        for case, reqs in (("fixed", fixed_requests(a, vocab)), ("variable", variable_requests(a, vocab))):
+            if a.case not in (case, "both"):
+                continue
+            t = time.perf_counter()
+            list(engines[case]["compiled"].generate(reqs))
+            print(f"compiled engine, {case} case: first run (compiling) {time.perf_counter() - t:.1f} s", flush=True)
     results = {}
     if a.case in ("fixed", "both"):
         new_engine = engines["fixed"]["new engine"]

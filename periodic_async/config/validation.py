@@ -385,6 +385,12 @@ def _check_rollout_tp(cfg, num_heads: Optional[int], num_kv_heads: Optional[int]
         raise ConfigError(f"rollout.tensor_parallel_size: must be an integer >= 1, got {tp!r}")
     if r.enforce_eager is not None and not isinstance(r.enforce_eager, bool):
         raise ConfigError(f"rollout.enforce_eager: expected true, false or null, got {r.enforce_eager!r}")
+    if r.compile_decode and r.engine != "hf":
+        raise ConfigError(f"rollout.compile_decode: compiles the hf engine's decode step; rollout.engine is "
+                          f"{r.engine!r} (vLLM compiles its own unless rollout.enforce_eager)")
+    if r.compile_decode and cfg.backend == "npu":
+        raise ConfigError("rollout.compile_decode: not on npu (the hf engine's step is not compiled through "
+                          "torch_npu's backend); use rollout.engine: vllm there")
     if tp == 1:
         return
     if r.engine != "vllm":

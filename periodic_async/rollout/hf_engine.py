@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
 from .base import RolloutEngine, RolloutRequest, RolloutResult
-from .lean_decode import fuse_weights, lean_decode_step, supports
+from .lean_decode import compiled_lean_decode_step, fuse_weights, lean_decode_step, supports
 from .sampling import RowParams, sample_batch, sequence_uniforms
 
 
@@ -169,9 +169,11 @@ class HFRolloutEngine(RolloutEngine):
 
     def __init__(self, model_dir: str, pad_token_id: int, eos_token_id: int | None,
                  max_slots: int = 256, device: str | torch.device = "cpu",
-                 attn_implementation: str = "sdpa", decode: str = "lean"):
+                 attn_implementation: str = "sdpa", decode: str = "lean", compile_decode: bool = False):
         """decode: "lean" runs decode steps through lean_decode.py where the architecture allows
-        (else, and with "hf", the transformers forward); prefill is always the transformers forward."""
+        (else, and with "hf", the transformers forward); prefill is always the transformers forward.
+        compile_decode: the lean step through torch.compile with dynamic shapes (rows and cache
+        width change every step; compiled on the first decode, tens of seconds on a CPU)."""
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()   # a 'Loading weights' bar per worker at start-up
@@ -187,6 +189,11 @@ class HFRolloutEngine(RolloutEngine):
             raise ValueError(f"HFRolloutEngine: decode must be 'lean' or 'hf', got {decode!r}")
         # per layer (qkv, bias, gate_up): the parameters are views of these (weight sync included)
         self._fused = fuse_weights(self.model) if decode == "lean" and supports(self.model) else None
+        if compile_decode and self._fused is None:
+            raise ValueError("HFRolloutEngine: compile_decode needs the lean decode step "
+                             f"(decode 'lean' and a qwen2 / llama model; got decode {decode!r}, "
+                             f"model type {getattr(self.model.config, 'model_type', None)!r})")
+        self._compiled_step = compiled_lean_decode_step() if compile_decode else None
         # Seconds by phase, summed over the engine's life (tools/bench_generation.py's FLOP/s
         # account). Host clock around each call: exact on the CPU; on an accelerator the kernels run
         # asynchronously and their time shows where the host waits (the sampled tokens' copy).
@@ -307,7 +314,8 @@ class HFRolloutEngine(RolloutEngine):
         """One token for every row of b (its next_ids at pos); returns their logits [B, V] fp32."""
         b.attn = torch.cat([b.attn, torch.ones_like(b.attn[:, :1])], dim=1)
         if self._fused is not None:
-            logits = lean_decode_step(self.model, self._fused, b.next_ids, b.pos, b.attn, b.cache.layers)
+            step = self._compiled_step or lean_decode_step
+            logits = step(self.model, self._fused, b.next_ids, b.pos, b.attn, b.cache.layers)
             b.pos = b.pos + 1
             return logits
         out = self.model(input_ids=b.next_ids[:, None], attention_mask=b.attn, position_ids=b.pos[:, None],

@@ -59,6 +59,19 @@ def _fuse(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return whole
 
 
+_COMPILED = None
+
+
+def compiled_lean_decode_step():
+    """`lean_decode_step` through torch.compile with dynamic shapes, one per process (the engines
+    of a process share its compiled graphs). Equal to the eager step in tokens, log-probs within
+    float rounding (tests/test_rollout.py)."""
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = torch.compile(lean_decode_step, dynamic=True)
+    return _COMPILED
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -53,6 +53,7 @@ class WorkerSettings:
     # weights from the pool's buffer by name (weight_sync.SharedWeights), shm sync only
     tensor_parallel_size: int = 1
     enforce_eager: bool | None = None     # vllm: no CUDA / ACL graphs (None: on cpu only)
+    compile_decode: bool = False          # hf: the decode step through torch.compile (rollout.compile_decode)
 
 
 
@@ -93,7 +94,8 @@ def run_worker(wid: int, settings: WorkerSettings, placement: dict, inbox, outbo
                                        tensor_parallel_size=settings.tensor_parallel_size)
         else:
             from .hf_engine import HFRolloutEngine
-            engine = HFRolloutEngine(settings.model_dir, settings.pad_token_id, settings.eos_token_id, settings.max_slots, device)
+            engine = HFRolloutEngine(settings.model_dir, settings.pad_token_id, settings.eos_token_id, settings.max_slots, device,
+                                     compile_decode=settings.compile_decode)
         if sync is None:
             if version > 0 or settings.load_format == "dummy":
                 engine.update_weights(engine_weights(buf, layout), version)

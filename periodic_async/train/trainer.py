@@ -309,7 +309,7 @@ class Trainer:
             from ..rollout.colocated import ColocatedPool
             from ..rollout.hf_engine import HFRolloutEngine
             pool = ColocatedPool(HFRolloutEngine(self.model_dir, self.pad_id, self.eos_id, cfg.rollout.max_slots,
-                                                 self.device))
+                                                 self.device, compile_decode=cfg.rollout.compile_decode))
         return Producer(pool, scorer, self.planner, self.mode, first_step=self.start_step + 1,
                         last_step=cfg.trainer.total_steps, prompt_counts=self.prompts.pop_counts,
                         queue_size=cfg.rollout.queue_size, batch_size=cfg.data.train_batch_size)
@@ -327,7 +327,7 @@ class Trainer:
                                   bucket_bytes=int(cfg.actor.export_bucket_mb * (1 << 20)), dtype=cfg.model.dtype,
                                   interruptible=cfg.rollout.interruptible,
                                   tensor_parallel_size=cfg.rollout.tensor_parallel_size,
-                                  enforce_eager=cfg.rollout.enforce_eager)
+                                  enforce_eager=cfg.rollout.enforce_eager, compile_decode=cfg.rollout.compile_decode)
         pool = WorkerPool(settings, placements, hf_layout(self.arch), torch_dtype(cfg.model.dtype),
                           cfg.rollout.worker_timeout_s, initial_weights=initial, staleness=self.staleness,
                           remote_workers=cfg.rollout.remote_workers, remote_address=cfg.rollout.remote_address,
