@@ -162,9 +162,9 @@ class RolloutConfig:
     # finishes its running responses first (one version per response, idle cores meanwhile).
     interruptible: bool = True
     # hf engine: the decode step (rollout/lean_decode.py) through torch.compile (dynamic shapes).
-    # Measured on 2 CPU cores: decode 1.4x faster on the small bench model, 1.05x on medium, after
-    # a compile of 30-55 s in every engine process (each worker start and restart), so off by
-    # default: for long runs of a small model. Not on npu.
+    # Measured on 2 CPU cores (tools/bench_generation.py --compiled): generation 1.14x faster on
+    # the small bench model, level on medium, after a compile of 30-55 s in every engine process
+    # (each worker start and restart), so off by default: for long runs of a small model. Not on npu.
     compile_decode: bool = False
     # Rollout workers on other nodes: this many slots, after the num_workers local ones, taken by
     # relays that connect to `remote_address` (torchrun ... -m periodic_async.rollout.remote

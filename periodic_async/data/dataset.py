@@ -49,7 +49,7 @@ def _field(row: dict, key: str, where: str) -> str:
 def _budget(row: dict, key: str, where: str) -> int:
     """row[key] as a generation budget: a positive integer (3 or "3"; not 2.5, true or 0)."""
     value = _field(row, key, where)
-    if not value.isdigit() or int(value) < 1 or isinstance(row[key], bool):
+    if not value.isdigit() or int(value) < 1:
         raise DatasetError(f"{where}: '{key}' must be a positive integer (a generation budget in tokens), got {row[key]!r}")
     return int(value)
 
@@ -113,7 +113,7 @@ def _records_from_columns(columns: dict[str, list[Any]], names: list[str], promp
 
 def read_parquet(path: str, prompt_key: str, answer_key: str,
                  bad_rows: Optional[list[str]] = None, budget_key: Optional[str] = None) -> list[PromptRecord]:
-    """A Parquet file read with pyarrow; only the two needed columns are materialised."""
+    """A Parquet file read with pyarrow; only the needed columns are materialised."""
     import pyarrow.parquet as pq
 
     _require_file(path)

@@ -21,6 +21,8 @@ keep the HF forward (`supports`).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -59,17 +61,12 @@ def _fuse(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return whole
 
 
-_COMPILED = None
-
-
+@functools.cache
 def compiled_lean_decode_step():
     """`lean_decode_step` through torch.compile with dynamic shapes, one per process (the engines
     of a process share its compiled graphs). Equal to the eager step in tokens, log-probs within
     float rounding (tests/test_rollout.py)."""
-    global _COMPILED
-    if _COMPILED is None:
-        _COMPILED = torch.compile(lean_decode_step, dynamic=True)
-    return _COMPILED
+    return torch.compile(lean_decode_step, dynamic=True)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
