@@ -64,8 +64,8 @@ TRL_CONSTRAINTS = os.path.join(ROOT, "tools", "trl-constraints.txt")
 TRL_PINS = ["torch==2.13.0", "transformers==5.19.0", "trl==1.16.0"]
 
 # name: (hidden, layers, heads, kv heads, ffn, prompt tokens, new tokens)
-SETUPS = {"small": (256, 4, 4, 2, 1024, 64, 64), "medium": (512, 8, 8, 4, 2048, 128, 64),
-          "long_tail": (256, 4, 4, 2, 1024, 64, 64)}
+SETUPS = {"small": (256, 4, 4, 2, 1024, 64, 64), "medium": (512, 8, 8, 4, 2048, 128, 64)}
+SETUPS["long_tail"] = SETUPS["small"]      # small's shapes; its lengths come from LONG_TAIL_ALPHA
 # Setups with long-tailed lengths: each prompt's completions are n tokens, n on 1..new drawn with
 # P(n) ~ n ** -alpha (the long_tail task's law, data/synthetic.py; alpha 1: p50 ~8, mean ~13.5, and
 # about 1 prompt in 7 at 32 or more), the same n for all K of a prompt; prompts in file order on
