@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .backend_setup import BackendUnavailable, apply_cpu_megatron_shims, setup_cuda, setup_npu
+from .backend_setup import BackendUnavailable, apply_cpu_megatron_shims, hold_host_heap, setup_cuda, setup_npu
 
 _SPAWN_ENV_LOCK = threading.Lock()
 
@@ -349,7 +349,9 @@ def get_backend(name: str, role: str | None = None) -> Backend:
     npu no MindSpeed adaptor). None keeps the role this process already took, "trainer" if none,
     so a rollout worker names its role once, first, and later calls (weight_sync) keep it. The cpu
     backend redirects torch's CUDA calls to the CPU for both roles and patches Megatron-core's
-    modules for the trainer only (a rollout worker never imports Megatron-core)."""
+    modules for the trainer only (a rollout worker never imports Megatron-core), and keeps freed
+    host memory in the process's heap (backend_setup.hold_host_heap: no page faults on every
+    micro-step's fresh activations)."""
     global _ACTIVE, _ROLE
     if name not in _BACKENDS:
         raise BackendUnavailable(f"backend '{name}' is unknown; allowed: {', '.join(_BACKENDS)}")
@@ -364,6 +366,7 @@ def get_backend(name: str, role: str | None = None) -> Backend:
                            "mindspeed.megatron_adaptor (a trainer set-up)")
     if name == "cpu":
         apply_cpu_megatron_shims(megatron=role == "trainer")
+        hold_host_heap()
     elif name == "cuda":
         setup_cuda()
     else:

@@ -1,8 +1,13 @@
 """The backend layer: names, process-group backends, and one clear line for a missing stack."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from periodic_async.backend import BackendUnavailable, get_backend
+from periodic_async.backend_setup import HOST_MALLOC_ENV
 
 
 def test_cpu_backend_and_megatron_shim():
@@ -263,3 +268,39 @@ def test_megatron_fallback_warnings_are_filtered_by_message_only():
     assert [str(w.message) for w in seen] == ["full scope is deprecated."]
     note = megatron_fallback_note()
     assert note is None or "not installed" in note
+
+
+_HEAP_PROBE = r"""
+import resource, sys
+import torch
+from periodic_async.backend import get_backend
+get_backend("cpu", role=sys.argv[1])
+def faults_of_a_step():   # a micro-step's pattern: fresh activations, written, all freed at the end
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    acts = [torch.empty(10 << 20).fill_(1.0) for _ in range(4)]     # 4 x 40 MB
+    acts.append(acts[0] * acts[1])
+    del acts
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(max([faults_of_a_step() for _ in range(8)][-3:]))     # the first steps grow the heap either way
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+@pytest.mark.parametrize("role", ["trainer", "rollout"])
+def test_cpu_backend_reuses_freed_host_memory_without_page_faults(role):
+    """The cpu backend keeps freed host memory in the heap (backend_setup.hold_host_heap), so a
+    training step's activations, freed and allocated again every micro-step, land on pages already
+    mapped. Counted in minor page faults, not time: once the heap has grown, a step of five 40 MB
+    tensors faults on almost none of their 51,200 pages; with glibc's defaults (the opt-out: the
+    control that shows the probe can fail; blocks over 32 MB are always mapped afresh there) on
+    most of them."""
+    def faults(env_extra):
+        env = {**os.environ, **env_extra}
+        out = subprocess.run([sys.executable, "-c", _HEAP_PROBE, role], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return int(out.stdout.strip().splitlines()[-1])
+    pages = 5 * (40 << 20) // 4096
+    held, system = faults({}), faults({HOST_MALLOC_ENV: "system"})
+    assert held < pages // 10, (held, pages)
+    assert system > pages // 2, (system, pages)
