@@ -109,8 +109,13 @@ class _CpuDeviceTorch:
         return torch.tensor(*args, **self._cpu(kwargs))
 
 
-# glibc's mallopt parameters (malloc.h)
+# glibc's mallopt parameters (malloc.h) and hold_host_heap's values for them
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
+_HELD_HEAP = {_M_MMAP_MAX: 0, _M_TRIM_THRESHOLD: 2 ** 31 - 1, _M_TOP_PAD: 64 << 20}
+# the same settings through glibc's environment, for a process that is not ours (a benchmark's
+# other side): read by glibc at start-up
+HELD_HEAP_GLIBC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2 ** 31 - 1),
+                       "MALLOC_TOP_PAD_": str(64 << 20)}
 HOST_MALLOC_ENV = "PERIODIC_ASYNC_HOST_MALLOC"     # "system" leaves glibc's defaults alone
 _HOST_HEAP_HELD: Optional[bool] = None
 
@@ -140,8 +145,7 @@ def hold_host_heap() -> bool:
     except (OSError, AttributeError):      # a libc without mallopt (musl)
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    _HOST_HEAP_HELD = bool(mallopt(_M_MMAP_MAX, 0) and mallopt(_M_TRIM_THRESHOLD, 2 ** 31 - 1)
-                           and mallopt(_M_TOP_PAD, 64 << 20))
+    _HOST_HEAP_HELD = all(mallopt(param, value) == 1 for param, value in _HELD_HEAP.items())
     return _HOST_HEAP_HELD
 
 

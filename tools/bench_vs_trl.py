@@ -155,7 +155,7 @@ def step_lengths(budgets: list | None, step: int, new: int) -> list[int]:
 
 
 def run_trl(py: str, work, setup: str, steps: int, micro_batch: int, threads: int, run_dir: str,
-            grad_ckpt: bool) -> list[float]:
+            grad_ckpt: bool, held_heap: bool = False) -> list[float]:
     model_dir, prompts, reward, budgets = work
     _, _, _, _, _, plen, new = SETUPS[setup]
     out = os.path.join(run_dir, "trl_times.json")
@@ -166,7 +166,10 @@ def run_trl(py: str, work, setup: str, steps: int, micro_batch: int, threads: in
         (["--budgets"] if budgets else [])
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     env.pop("PYTHONPATH", None)
-    _run(cmd, env, "trl")
+    if held_heap:       # glibc keeps freed memory, as the project's cpu backend does (hold_host_heap)
+        from periodic_async.backend_setup import HELD_HEAP_GLIBC_ENV
+        env.update(HELD_HEAP_GLIBC_ENV)
+    _run(cmd, env, "trl" + (" held heap" if held_heap else ""))
     with open(out) as f:
         res = json.load(f)
     lens = res["mean_completion_length"]
@@ -198,6 +201,7 @@ def run_project(work, setup: str, mode: str, steps: int, micro_batch: int, run_d
                 account: bool = False) -> list[float]:
     model_dir, prompts, reward, budgets = work
     _, _, _, _, _, plen, new = SETUPS[setup]
+    mode, _, malloc = mode.partition("@")     # MODE@system: glibc's own malloc settings (the opt-out)
     cmd = [sys.executable, "-m", "periodic_async", "--config", os.path.join(ROOT, "configs", "default.yaml"),
            f"model.path={model_dir}", "data.source=jsonl", f"data.path={prompts}", "data.chat_template=none",
            f"data.train_batch_size={PROMPTS_PER_STEP}", f"data.max_prompt_length={plen}", f"rollout.n={K}",
@@ -208,7 +212,11 @@ def run_project(work, setup: str, mode: str, steps: int, micro_batch: int, run_d
            "trainer.progress_bar=false", "trainer.tensorboard=false", f"trainer.run_dir={run_dir}", *MODES[mode],
            *(["trainer.record_timeline=true"] if account else []),
            *(["data.max_new_tokens_key=n", "data.shuffle=false"] if budgets else [])]
-    _run(cmd, dict(os.environ, PYTHONPATH=ROOT, TOKENIZERS_PARALLELISM="false"), f"project {mode}")
+    env = dict(os.environ, PYTHONPATH=ROOT, TOKENIZERS_PARALLELISM="false")
+    if malloc:
+        from periodic_async.backend_setup import HOST_MALLOC_ENV
+        env[HOST_MALLOC_ENV] = malloc
+    _run(cmd, env, f"project {mode}" + (f"@{malloc}" if malloc else ""))
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         recs = [json.loads(line) for line in f if line.strip()]
     recs = [r for r in recs if "timing_s/step" in r]
@@ -242,7 +250,8 @@ def main():
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the measurement (the first W)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--modes", default="periodic,sync_shared,periodic_shared",
-                   help=f"project modes, from {','.join(MODES)}")
+                   help=f"project modes, from {','.join(MODES)}; MODE@system runs it with glibc's malloc "
+                   "defaults (PERIODIC_ASYNC_HOST_MALLOC=system: the cpu backend's held heap off)")
     p.add_argument("--micro-batch", type=int, default=16, help="completions per forward/backward, both sides")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -251,6 +260,8 @@ def main():
     p.add_argument("--keep-runs", default=None, help="keep every side's run directory under this one "
                    "(for tools/profile_run.py)")
     p.add_argument("--no-trl", action="store_true", help="the project's modes only")
+    p.add_argument("--trl-held-heap", action="store_true",
+                   help="add a TRL side run with the project's cpu malloc settings (glibc's MALLOC_* variables)")
     p.add_argument("--trl-gradient-checkpointing", action="store_true",
                    help="keep TRL's default gradient checkpointing (off by default here: the project does not recompute)")
     p.add_argument("--table", default=None, help="also write the markdown table to this file")
@@ -260,10 +271,10 @@ def main():
         sys.exit("--steps must exceed --warmup")
     modes = [m for m in a.modes.split(",") if m]
     for m in modes:
-        if m not in MODES:
+        if m.partition("@")[0] not in MODES or m.partition("@")[2] not in ("", "system"):
             sys.exit(f"unknown mode {m!r} (choose from {', '.join(MODES)})")
     py = None if a.no_trl else ensure_trl_venv()
-    sides = ([] if a.no_trl else ["trl"]) + modes
+    sides = ([] if a.no_trl else ["trl"] + (["trl_heap"] if a.trl_held_heap else [])) + modes
     rows, raw, account_rows = [], {}, []
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     for setup in a.setups.split(","):
@@ -295,9 +306,9 @@ def main():
                     log(f"{setup} repeat {rep + 1}/{a.repeats}: {side}")
                     run_dir = os.path.join(d, f"{side}_{rep}")
                     os.makedirs(run_dir, exist_ok=True)
-                    if side == "trl":
+                    if side in ("trl", "trl_heap"):
                         st = run_trl(py, work, setup, a.steps, a.micro_batch, a.threads, run_dir,
-                                     a.trl_gradient_checkpointing)
+                                     a.trl_gradient_checkpointing, held_heap=side == "trl_heap")
                     else:
                         st = run_project(work, setup, side, a.steps, a.micro_batch, run_dir, not a.no_account)
                         if not a.no_account:
@@ -342,7 +353,7 @@ def main():
     lines = [f"| setup | side | step s (median) | tokens/s | tokens/s per repeat (min - max) | x {first} "
              f"| tokens/s at the median step | x {first} (median steps) |",
              "|---|---|---|---|---|---|---|---|"]
-    names = {"trl": "TRL 1.16.0 GRPOTrainer", "periodic": "project, periodic (default)",
+    names = {"trl": "TRL 1.16.0 GRPOTrainer", "trl_heap": "TRL 1.16.0, the project's malloc settings", "periodic": "project, periodic (default)",
              "sync_shared": "project, sync + shared_prompt", "periodic_shared": "project, periodic + shared_prompt",
              "sync": "project, sync"}
     for setup, side, med, tps, lo, hi, ratio, mtps, mratio in rows:
