@@ -5,6 +5,7 @@ TRL's GRPOTrainer computes), side by side, alternating.
     python tools/bench_train_step.py --setup small --base /tmp/train_base
     python tools/bench_train_step.py --setup medium --repeats 2 --warmup 0 --base /tmp/train_base
     python tools/bench_train_step.py --setup small --variants new new-shared hf
+    python tools/bench_train_step.py --setup medium --variants new-shared new-shared@system hf hf@held
 
 `--base` is a checkout of the code to compare against (e.g. `git worktree add /tmp/train_base HEAD`);
 without it the `base` variants are skipped. Each variant runs in its own worker process (the base
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -76,7 +78,7 @@ def project_worker(args):
     backend.init_model_parallel(1, 1, 0)
     torch.set_num_threads(args.threads)
     *_, p_len, r_len = SETUPS[args.setup]
-    cfg = ActorConfig(shared_prompt=args.variant.endswith("shared"), kl_coef=0.0, entropy_coef=0.0, ppo_epochs=1)
+    cfg = ActorConfig(shared_prompt=args.variant.partition("@")[0].endswith("shared"), kl_coef=0.0, entropy_coef=0.0, ppo_epochs=1)
     arch = arch_from_hf_dir(args.model_dir)
     actor = TriModelActor(cfg, arch, args.model_dir, with_reference=False)
     batch = [TrainSample(p, r, a) for p, r, a in samples(p_len, r_len)]
@@ -137,8 +139,9 @@ def worker(args) -> None:
     """Build, say ready, then one timed step per 'step' line on stdin (a JSON line back)."""
     if args.repo:
         sys.path.insert(0, args.repo)
-    step = hf_worker(args) if args.variant == "hf" else project_worker(args)
-    if args.variant != "hf":
+    hf = args.variant.partition("@")[0] == "hf"
+    step = hf_worker(args) if hf else project_worker(args)
+    if not hf:
         import periodic_async
         src = os.path.dirname(os.path.dirname(os.path.abspath(periodic_async.__file__)))
     else:
@@ -148,10 +151,12 @@ def worker(args) -> None:
         if line.strip() != "step":
             break
         w0, c0 = time.perf_counter(), time.process_time()
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         phases = step() or {}
         wall = time.perf_counter() - w0 - phases.get("forward_no_grad", 0.0)   # the step itself
-        print(json.dumps({"wall": wall, "cpu": (time.process_time() - c0) / args.threads, "phases": phases}),
-              flush=True)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0     # with the forward-only pass
+        print(json.dumps({"wall": wall, "cpu": (time.process_time() - c0) / args.threads, "phases": phases,
+                          "faults": faults}), flush=True)
 
 
 # ---------------------------------------------------------------------- parent
@@ -162,6 +167,13 @@ class Worker:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--setup", setup,
                "--model-dir", model_dir, "--threads", str(threads)]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        malloc = variant.partition("@")[2]
+        if malloc == "system":     # the project's cpu backend with glibc's malloc defaults
+            from periodic_async.backend_setup import HOST_MALLOC_ENV
+            env[HOST_MALLOC_ENV] = "system"
+        elif malloc == "held":     # a process that is not the project's, with its malloc settings
+            from periodic_async.backend_setup import HELD_HEAP_GLIBC_ENV
+            env.update(HELD_HEAP_GLIBC_ENV)
         if repo:
             cmd += ["--repo", repo]
             env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
@@ -193,7 +205,10 @@ class Worker:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--setup", choices=sorted(SETUPS), default="small")
-    ap.add_argument("--variants", nargs="+", choices=VARIANTS + OPTIONAL, default=list(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS),
+                    help=f"from {', '.join(VARIANTS + OPTIONAL)}; VARIANT@system: the project's cpu backend with "
+                    "glibc's malloc defaults (PERIODIC_ASYNC_HOST_MALLOC=system); hf@held: the HF step with the "
+                    "project's malloc settings (glibc's MALLOC_* variables)")
     ap.add_argument("--base", help="checkout of the code to compare against (the base variants)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
@@ -202,6 +217,11 @@ def main() -> None:
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--repo", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    for v in args.variants:
+        name, _, malloc = v.partition("@")
+        if name not in VARIANTS + OPTIONAL or malloc not in ("", "system", "held") \
+                or (malloc == "held") != (name == "hf" and bool(malloc)):
+            ap.error(f"--variants: {v!r}: allowed {', '.join(VARIANTS + OPTIONAL)}, a project one with @system, hf@held")
     if args.worker:
         args.variant = args.worker
         worker(args)
@@ -237,15 +257,18 @@ def main() -> None:
         return fn([t[key] for t in times[v]])
     print(f"\nsetup {args.setup}: {GROUPS * K} sequences x ({p_len} + {r_len}) tokens = {tokens} tokens a step, "
           f"{args.threads} threads, {args.repeats} rounds (min / median)")
-    print(f"{'variant':12s} {'wall min':>9s} {'wall med':>9s} {'cpu min':>8s} {'cpu med':>8s} {'tok/s':>8s}"
-          f" {'vs hf':>7s} {'vs base':>8s}")
+    print(f"{'variant':18s} {'wall min':>9s} {'wall med':>9s} {'cpu min':>8s} {'cpu med':>8s} {'tok/s':>8s}"
+          f" {'vs hf':>7s} {'vs base':>8s} {'page faults/step':>17s}")
     for v in variants:
         wmin, wmed = stat(v, "wall", min), stat(v, "wall", statistics.median)
         cmin, cmed = stat(v, "cpu", min), stat(v, "cpu", statistics.median)
         vs_hf = f"{stat('hf', 'wall', min) / wmin:6.2f}x" if "hf" in times else "-"
         vs_base = f"{stat('base', 'wall', min) / wmin:7.2f}x" if "base" in times else "-"
-        print(f"{v:12s} {wmin:9.2f} {wmed:9.2f} {cmin:8.2f} {cmed:8.2f} {tokens / wmin:8.0f} {vs_hf:>7s} {vs_base:>8s}")
-    print("(vs hf / vs base: that variant's min wall time / this one's: > 1 is faster)")
+        faults = stat(v, "faults", statistics.median)
+        print(f"{v:18s} {wmin:9.2f} {wmed:9.2f} {cmin:8.2f} {cmed:8.2f} {tokens / wmin:8.0f} {vs_hf:>7s} {vs_base:>8s}"
+              f" {faults:17.0f}")
+    print("(vs hf / vs base: that variant's min wall time / this one's: > 1 is faster; page faults: minor "
+          "faults in the step and its forward-only pass, median)")
     phase_account(args, times, variants, p_len, r_len)
 
 
@@ -262,14 +285,14 @@ def phase_account(args, times, variants, p_len: int, r_len: int) -> None:
     fwd = GROUPS * K * forward_flops(shape, p_len + r_len)
     print(f"\nphases of the project's step (median s; GFLOP/s and share of the matmul rate at {rows} rows, "
           f"{rate / 1e9:.1f} GFLOP/s; forward {fwd / 1e9:.2f} GFLOP, backward 2x that):")
-    print(f"{'variant':12s} {'pack':>7s} {'forward':>16s} {'backward (f+b - f)':>22s} {'optimizer':>10s}")
+    print(f"{'variant':18s} {'pack':>7s} {'forward':>16s} {'backward (f+b - f)':>22s} {'optimizer':>10s}")
     for v in variants:
         ph = [t["phases"] for t in times[v] if t.get("phases")]
         if not ph:
             continue
         med = {k: statistics.median(p[k] for p in ph) for k in ph[0]}
         f, b = med["forward_no_grad"], med["forward_backward"] - med["forward_no_grad"]
-        print(f"{v:12s} {med['pack']:7.3f} {f:7.3f} ({fwd / f / rate:4.0%} rate) {b:10.3f} ({2 * fwd / b / rate:4.0%} rate)"
+        print(f"{v:18s} {med['pack']:7.3f} {f:7.3f} ({fwd / f / rate:4.0%} rate) {b:10.3f} ({2 * fwd / b / rate:4.0%} rate)"
               f" {med['optimizer']:10.3f}")
 
 
