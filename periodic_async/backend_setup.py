@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+from .errors import InputError
+
 
 class BackendUnavailable(RuntimeError):
     """The requested backend cannot run on this machine; the message says what to install."""
@@ -137,8 +139,11 @@ def hold_host_heap() -> bool:
     global _HOST_HEAP_HELD
     if _HOST_HEAP_HELD is not None:
         return _HOST_HEAP_HELD
+    choice = os.environ.get(HOST_MALLOC_ENV, "hold")
+    if choice not in ("hold", "system"):
+        raise InputError(f"{HOST_MALLOC_ENV}={choice!r}: allowed hold (the default) or system")
     _HOST_HEAP_HELD = False
-    if os.environ.get(HOST_MALLOC_ENV, "hold") == "system" or not sys.platform.startswith("linux"):
+    if choice == "system" or not sys.platform.startswith("linux"):
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt

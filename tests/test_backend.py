@@ -304,3 +304,12 @@ def test_cpu_backend_reuses_freed_host_memory_without_page_faults(role):
     held, system = faults({}), faults({HOST_MALLOC_ENV: "system"})
     assert held < pages // 10, (held, pages)
     assert system > pages // 2, (system, pages)
+
+
+def test_a_misspelt_host_malloc_choice_is_refused(monkeypatch):
+    """PERIODIC_ASYNC_HOST_MALLOC takes hold or system; a typo must not silently mean hold."""
+    import periodic_async.backend_setup as setup
+    monkeypatch.setattr(setup, "_HOST_HEAP_HELD", None)
+    monkeypatch.setenv(HOST_MALLOC_ENV, "sytem")
+    with pytest.raises(ValueError, match="PERIODIC_ASYNC_HOST_MALLOC='sytem': allowed hold"):
+        setup.hold_host_heap()
