@@ -9,8 +9,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE); sys.path.insert(0, os.path.dirname(HERE))
 import bench_vs_trl as b
 variants = {"default": {}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
-reps = int(sys.argv[1]) if len(sys.argv) > 1 else 3
-mode = sys.argv[2] if len(sys.argv) > 2 else "sync"
+import argparse
+ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+ap.add_argument("repeats", nargs="?", type=int, default=3)
+ap.add_argument("mode", nargs="?", default="sync", choices=sorted(b.MODES))
+args = ap.parse_args()
+reps, mode = args.repeats, args.mode
 with tempfile.TemporaryDirectory() as d:
     work = b.make_work(d, "long_tail", 8, 0)
     for r in range(reps):
