@@ -116,8 +116,8 @@ _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
 _HELD_HEAP = {_M_MMAP_MAX: 0, _M_TRIM_THRESHOLD: 2 ** 31 - 1, _M_TOP_PAD: 64 << 20}
 # the same settings through glibc's environment, for a process that is not ours (a benchmark's
 # other side): read by glibc at start-up
-HELD_HEAP_GLIBC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2 ** 31 - 1),
-                       "MALLOC_TOP_PAD_": str(64 << 20)}
+HELD_HEAP_GLIBC_ENV = {f"MALLOC_{name}_": str(_HELD_HEAP[param]) for name, param in
+                       (("MMAP_MAX", _M_MMAP_MAX), ("TRIM_THRESHOLD", _M_TRIM_THRESHOLD), ("TOP_PAD", _M_TOP_PAD))}
 HOST_MALLOC_ENV = "PERIODIC_ASYNC_HOST_MALLOC"     # "system" leaves glibc's defaults alone
 _HOST_HEAP_HELD: Optional[bool] = None
 
