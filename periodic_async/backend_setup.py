@@ -122,6 +122,16 @@ HOST_MALLOC_ENV = "PERIODIC_ASYNC_HOST_MALLOC"     # "system" leaves glibc's def
 _HOST_HEAP_HELD: Optional[bool] = None
 
 
+def host_malloc_env(setting: str) -> dict[str, str]:
+    """The environment a benchmark gives a child process for an allocator setting: "system" - a
+    project process with glibc's defaults (the opt-out); "held" - any process, the project's or
+    not, with hold_host_heap's settings through glibc's variables; "" - nothing added."""
+    envs = {"": {}, "system": {HOST_MALLOC_ENV: "system"}, "held": HELD_HEAP_GLIBC_ENV}
+    if setting not in envs:
+        raise ValueError(f"allocator setting {setting!r}: allowed system, held or none")
+    return dict(envs[setting])
+
+
 def hold_host_heap() -> bool:
     """Keep freed host memory in this process's heap instead of returning it to the OS (cpu backend).
 

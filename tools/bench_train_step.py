@@ -167,13 +167,8 @@ class Worker:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--setup", setup,
                "--model-dir", model_dir, "--threads", str(threads)]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        malloc = variant.partition("@")[2]
-        if malloc == "system":     # the project's cpu backend with glibc's malloc defaults
-            from periodic_async.backend_setup import HOST_MALLOC_ENV
-            env[HOST_MALLOC_ENV] = "system"
-        elif malloc == "held":     # a process that is not the project's, with its malloc settings
-            from periodic_async.backend_setup import HELD_HEAP_GLIBC_ENV
-            env.update(HELD_HEAP_GLIBC_ENV)
+        from periodic_async.backend_setup import host_malloc_env
+        env.update(host_malloc_env(variant.partition("@")[2]))     # VARIANT@system / hf@held
         if repo:
             cmd += ["--repo", repo]
             env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")

@@ -167,8 +167,8 @@ def run_trl(py: str, work, setup: str, steps: int, micro_batch: int, threads: in
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     env.pop("PYTHONPATH", None)
     if held_heap:       # glibc keeps freed memory, as the project's cpu backend does (hold_host_heap)
-        from periodic_async.backend_setup import HELD_HEAP_GLIBC_ENV
-        env.update(HELD_HEAP_GLIBC_ENV)
+        from periodic_async.backend_setup import host_malloc_env
+        env.update(host_malloc_env("held"))
     _run(cmd, env, "trl" + (" held heap" if held_heap else ""))
     with open(out) as f:
         res = json.load(f)
@@ -198,7 +198,7 @@ def stage_account(run_dir: str, warmup: int) -> dict:
 
 
 def run_project(work, setup: str, mode: str, steps: int, micro_batch: int, run_dir: str,
-                account: bool = False) -> list[float]:
+                account: bool = False, env_extra: dict | None = None) -> list[float]:
     model_dir, prompts, reward, budgets = work
     _, _, _, _, _, plen, new = SETUPS[setup]
     mode, _, malloc = mode.partition("@")     # MODE@system: glibc's own malloc settings (the opt-out)
@@ -212,10 +212,9 @@ def run_project(work, setup: str, mode: str, steps: int, micro_batch: int, run_d
            "trainer.progress_bar=false", "trainer.tensorboard=false", f"trainer.run_dir={run_dir}", *MODES[mode],
            *(["trainer.record_timeline=true"] if account else []),
            *(["data.max_new_tokens_key=n", "data.shuffle=false"] if budgets else [])]
-    env = dict(os.environ, PYTHONPATH=ROOT, TOKENIZERS_PARALLELISM="false")
-    if malloc:
-        from periodic_async.backend_setup import HOST_MALLOC_ENV
-        env[HOST_MALLOC_ENV] = malloc
+    from periodic_async.backend_setup import host_malloc_env
+    env = dict(os.environ, PYTHONPATH=ROOT, TOKENIZERS_PARALLELISM="false", **host_malloc_env(malloc),
+               **(env_extra or {}))
     _run(cmd, env, f"project {mode}" + (f"@{malloc}" if malloc else ""))
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         recs = [json.loads(line) for line in f if line.strip()]

@@ -4,31 +4,43 @@ with and without OMP_WAIT_POLICY=PASSIVE, alternated.
 
     python tools/diagnose_sync_variance.py [REPEATS] [MODE]
 """
-import os, sys, resource, time, tempfile, statistics, json
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE); sys.path.insert(0, os.path.dirname(HERE))
-import bench_vs_trl as b
-variants = {"default": {}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+from __future__ import annotations
+
 import argparse
-ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-ap.add_argument("repeats", nargs="?", type=int, default=3)
-ap.add_argument("mode", nargs="?", default="sync", choices=sorted(b.MODES))
-args = ap.parse_args()
-reps, mode = args.repeats, args.mode
-with tempfile.TemporaryDirectory() as d:
-    work = b.make_work(d, "long_tail", 8, 0)
-    for r in range(reps):
-        for name, env in variants.items():
-            old = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            ru0 = resource.getrusage(resource.RUSAGE_CHILDREN); t0 = time.perf_counter()
-            rd = os.path.join(d, f"{name}_{r}"); os.makedirs(rd)
-            st = b.run_project(work, "long_tail", mode, 8, 16, rd)
-            wall = time.perf_counter() - t0; ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-            cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
-            sys_t = ru1.ru_stime - ru0.ru_stime
-            for k, v in old.items():
-                if v is None: os.environ.pop(k, None)
-                else: os.environ[k] = v
-            print(f"{mode} {name} rep {r}: wall {wall:.1f} s, cpu {cpu:.1f} s (sys {sys_t:.1f}), cpu/wall {cpu/wall:.2f}, "
-                  f"steps {' '.join(f'{x:.2f}' for x in st)}", flush=True)
+import os
+import resource
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import bench_vs_trl  # noqa: E402
+
+VARIANTS = {"default": {}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("repeats", nargs="?", type=int, default=3)
+    ap.add_argument("mode", nargs="?", default="sync", choices=sorted(bench_vs_trl.MODES))
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        work = bench_vs_trl.make_work(d, "long_tail", 8, 0)
+        for rep in range(args.repeats):
+            for name, env in VARIANTS.items():
+                run_dir = os.path.join(d, f"{name}_{rep}")
+                os.makedirs(run_dir)
+                ru0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+                steps = bench_vs_trl.run_project(work, "long_tail", args.mode, 8, 16, run_dir, env_extra=env)
+                wall, ru1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+                sys_s = ru1.ru_stime - ru0.ru_stime
+                cpu = ru1.ru_utime - ru0.ru_utime + sys_s
+                print(f"{args.mode} {name} rep {rep}: wall {wall:.1f} s, cpu {cpu:.1f} s (sys {sys_s:.1f}), "
+                      f"cpu/wall {cpu / wall:.2f}, steps {' '.join(f'{x:.2f}' for x in steps)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
