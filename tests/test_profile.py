@@ -226,3 +226,22 @@ def test_a_run_without_a_timeline_gets_one_line_saying_what_to_do(tmp_path):
         prof.main([str(tmp_path)])
     with pytest.raises(SystemExit, match=r"no metrics\.jsonl; is it a run directory"):
         prof.main([str(tmp_path / "nowhere")])
+
+
+def test_machine_load_reads_steal_and_leaves_guest_time_out(tmp_path):
+    """tools/machine_load.py: steal is /proc/stat's 8th field, and guest time (already inside user)
+    is not counted twice; a run's steal share is the steal ticks over all ticks between snapshots."""
+    spec = importlib.util.spec_from_file_location("pa_tools_machine_load", os.path.join(ROOT, "tools", "machine_load.py"))
+    ml = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ml)
+    stat = tmp_path / "stat"
+    #               user nice system idle iowait irq softirq steal guest guest_nice
+    stat.write_text("cpu  100 0 50 800 10 0 5 35 20 0\ncpu0 100 0 50 800 10 0 5 35 20 0\nintr 1 2 3\n")
+    assert ml.read_cpu_ticks(str(stat)) == (35, 1000)
+    assert ml.read_cpu_ticks(str(tmp_path / "absent")) is None
+    stat.write_text("cpu  100 0 50 800 10 0 5 35 20 0\n")
+    before = ml.snapshot(str(stat))
+    stat.write_text("cpu  160 0 70 880 10 0 5 75 90 0\n")   # +200 ticks, 40 of them steal, guest +70
+    load = ml.since(before, str(stat))
+    assert load["steal_share"] == pytest.approx(0.2)
+    assert "steal 20.0%" in ml.describe(load)

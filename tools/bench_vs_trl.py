@@ -276,10 +276,12 @@ def main():
     sides = ([] if a.no_trl else ["trl"] + (["trl_heap"] if a.trl_held_heap else [])) + modes
     rows, raw, account_rows = [], {}, []
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import machine_load
     for setup in a.setups.split(","):
         hidden, layers, heads, kv, ffn, plen, new = SETUPS[setup]
         times = {s: [] for s in sides}
         stages = {s: [] for s in sides}
+        loads = {s: [] for s in sides}      # machine_load.since per repeat: a slow repeat with steal was the VM's
         with (contextlib.nullcontext(os.path.join(a.keep_runs, setup)) if a.keep_runs
               else tempfile.TemporaryDirectory(prefix=f"bench_vs_trl_{setup}_")) as d:
             os.makedirs(d, exist_ok=True)
@@ -305,6 +307,7 @@ def main():
                     log(f"{setup} repeat {rep + 1}/{a.repeats}: {side}")
                     run_dir = os.path.join(d, f"{side}_{rep}")
                     os.makedirs(run_dir, exist_ok=True)
+                    before = machine_load.snapshot()
                     if side in ("trl", "trl_heap"):
                         st = run_trl(py, work, setup, a.steps, a.micro_batch, a.threads, run_dir,
                                      a.trl_gradient_checkpointing, held_heap=side == "trl_heap")
@@ -315,8 +318,10 @@ def main():
                     if len(st) != a.steps:
                         sys.exit(f"{side}: {len(st)} step times, expected {a.steps}")
                     times[side].append(st[a.warmup:])
+                    loads[side].append(machine_load.since(before))
                     log(f"  {side}: measured steps {', '.join(f'{x:.2f}' for x in st[a.warmup:])} s "
-                        f"(warm-up {', '.join(f'{x:.2f}' for x in st[:a.warmup])} s)")
+                        f"(warm-up {', '.join(f'{x:.2f}' for x in st[:a.warmup])} s); "
+                        f"{machine_load.describe(loads[side][-1])}")
         ref = None
         for side in sides:
             per_rep = [step_tokens * len(t) / sum(t) for t in times[side]]
@@ -327,9 +332,10 @@ def main():
             med = statistics.median(allt)
             if side == sides[0]:
                 ref_med = step_tokens / med
+            steal = [x["steal_share"] for x in loads[side] if x["steal_share"] is not None]
             rows.append((setup, side, med, tps, min(per_rep), max(per_rep), tps / ref, step_tokens / med,
-                         step_tokens / med / ref_med))
-        raw[setup] = times
+                         step_tokens / med / ref_med, max(steal) if steal else None))
+        raw[setup] = {"step_s": times, "machine_load": loads}
         if not a.no_account:
             useful = useful_flops_per_step(shape, plen, measured_lengths)
             peak = rates["peak_flops"]
@@ -350,14 +356,14 @@ def main():
                 account_rows.append((row, peak, decode_rate, train_rate))
     first = sides[0]
     lines = [f"| setup | side | step s (median) | tokens/s | tokens/s per repeat (min - max) | x {first} "
-             f"| tokens/s at the median step | x {first} (median steps) |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"| tokens/s at the median step | x {first} (median steps) | steal (max of repeats) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     names = {"trl": "TRL 1.16.0 GRPOTrainer", "trl_heap": "TRL 1.16.0, the project's malloc settings", "periodic": "project, periodic (default)",
              "sync_shared": "project, sync + shared_prompt", "periodic_shared": "project, periodic + shared_prompt",
              "sync": "project, sync"}
-    for setup, side, med, tps, lo, hi, ratio, mtps, mratio in rows:
+    for setup, side, med, tps, lo, hi, ratio, mtps, mratio, steal in rows:
         lines.append(f"| {setup} | {names.get(side, 'project, ' + side)} | {med:.2f} | {tps:.0f} | {lo:.0f} - {hi:.0f} | {ratio:.2f} "
-                     f"| {mtps:.0f} | {mratio:.2f} |")
+                     f"| {mtps:.0f} | {mratio:.2f} | {'n/a' if steal is None else f'{steal:.1%}'} |")
     if account_rows:
         lines += ["", "FLOP/s account (useful FLOPs: generation + the policy's forward and backward; rates "
                   "measured by tools/peak_flops.py at the setup's shapes in this run):", "",
@@ -384,7 +390,7 @@ def main():
         with open(a.table, "w") as f:
             f.write(header + "\n\n" + table + "\n")
         with open(os.path.splitext(a.table)[0] + ".json", "w") as f:   # the measured step times
-            json.dump({"header": header, "step_s": raw}, f, indent=1)
+            json.dump({"header": header, "by_setup": raw}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Colocated sync's run-to-run variance (docs/performance.md, "The host allocator"): whole runs of
 tools/bench_vs_trl.py's long_tail setup, wall against CPU time (the run's processes, user + sys),
-with and without OMP_WAIT_POLICY=PASSIVE, alternated.
+with and without OMP_WAIT_POLICY=PASSIVE, alternated; the hypervisor's steal share over each run
+(tools/machine_load.py) tells a slow VM from a slow program.
 
     python tools/diagnose_sync_variance.py [REPEATS] [MODE]
 """
@@ -8,16 +9,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import bench_vs_trl  # noqa: E402
+import machine_load  # noqa: E402
 
 VARIANTS = {"default": {}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
 
@@ -33,13 +33,10 @@ def main() -> None:
             for name, env in VARIANTS.items():
                 run_dir = os.path.join(d, f"{name}_{rep}")
                 os.makedirs(run_dir)
-                ru0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+                before = machine_load.snapshot()
                 steps = bench_vs_trl.run_project(work, "long_tail", args.mode, 8, 16, run_dir, env_extra=env)
-                wall, ru1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
-                sys_s = ru1.ru_stime - ru0.ru_stime
-                cpu = ru1.ru_utime - ru0.ru_utime + sys_s
-                print(f"{args.mode} {name} rep {rep}: wall {wall:.1f} s, cpu {cpu:.1f} s (sys {sys_s:.1f}), "
-                      f"cpu/wall {cpu / wall:.2f}, steps {' '.join(f'{x:.2f}' for x in steps)}", flush=True)
+                print(f"{args.mode} {name} rep {rep}: {machine_load.describe(machine_load.since(before))}; "
+                      f"steps {' '.join(f'{x:.2f}' for x in steps)}", flush=True)
 
 
 if __name__ == "__main__":
