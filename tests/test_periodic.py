@@ -43,7 +43,11 @@ def _run(run_dir, mode, *extra, hook=None):
 
 @pytest.fixture(scope="module")
 def sync_run(tmp_path_factory):
-    _, history, params = _run(tmp_path_factory.mktemp("sync"), "sync")
+    pools = []
+    _, history, params = _run(tmp_path_factory.mktemp("sync"), "sync", hook=lambda t: pools.append(t.producer.pool))
+    # the colocated engine's steps ran on the trainer's own thread, not on the producer's (one
+    # OpenMP team in the process: rollout/colocated.py)
+    assert [p.engine_threads for p in pools] == [{"MainThread"}]
     return history, params
 
 

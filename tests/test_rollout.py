@@ -404,3 +404,63 @@ def test_pool_and_worker_messages_are_frozen_picklable_and_torch_free():
             setattr(msg, "x", 1)
     code = "import sys, periodic_async.rollout.messages; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class _CountingEngine:
+    """serve(take): one step per next(), each returning the results of the requests taken so far."""
+    policy_version = 0
+
+    def __init__(self, fail_at=None):
+        self.steps, self.fail_at = 0, fail_at
+
+    def serve(self, take):
+        pending = []
+        while True:
+            pending += take() or []
+            self.steps += 1
+            if self.steps == self.fail_at:
+                raise RuntimeError("engine failed")
+            if not pending:
+                return
+            yield [pending.pop(0)]
+
+
+class _OneSampleRequest:
+    def samples(self):
+        return [self]
+
+
+def test_colocated_engine_steps_run_on_the_thread_that_serves_them():
+    """rollout/colocated.py: the producer thread's poll hands each engine step to the trainer's
+    waiting thread (one OpenMP team per process); unserved, a poll gives up after its timeout
+    without running the engine, and an engine error is raised in the polling thread."""
+    import threading
+    from periodic_async.rollout.colocated import ColocatedPool
+
+    engine = _CountingEngine()
+    pool = ColocatedPool(engine)
+    pool.dispatch([_OneSampleRequest() for _ in range(3)])
+    assert pool.poll(0.05) == [] and engine.steps == 0          # nobody serves: withdrawn, not run
+    got, errors = [], []
+
+    def producer():
+        try:
+            while len(got) < 3:
+                got.extend(pool.poll(0.05))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    th = threading.Thread(target=producer, name="rollout-producer")
+    th.start()
+    while th.is_alive():
+        pool.serve_handoff(0.01)
+    assert not errors and len(got) == 3
+    assert pool.engine_threads == {threading.current_thread().name}
+
+    failing = ColocatedPool(_CountingEngine(fail_at=1))
+    failing.dispatch([_OneSampleRequest()])
+    th = threading.Thread(target=lambda: errors.append(pytest.raises(RuntimeError, failing.poll, 5.0)))
+    th.start()
+    while th.is_alive():
+        failing.serve_handoff(0.01)
+    assert len(errors) == 1 and "engine failed" in str(errors[0].value)

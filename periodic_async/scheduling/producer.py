@@ -63,6 +63,9 @@ class RolloutStats:
 
 
 _DONE = object()
+# how long a trainer-side wait blocks for a colocated engine step before it looks at its own
+# condition again (a group handed over, an error): the latency a waiting trainer may add
+_SERVE_S = 0.01
 
 # A request's key in the rollout pool is (step * _STEP_STRIDE + its group index, k): batches in
 # flight together keep their own group indices (0.. within a batch); step 0 is validation's.
@@ -115,6 +118,9 @@ class Producer:
         # group taken, validation): an idle producer thread sleeps on it instead of polling, which
         # would take the GIL from the trainer hundreds of times a second
         self._wake = threading.Event()
+        # a colocated engine (mode sync) runs its steps on the trainer's thread that waits in
+        # batch / groups / generate_eval / update_weights, not on this one (rollout/colocated.py)
+        self._serve_engine = getattr(pool, "serve_handoff", None)
         self._stats = RolloutStats()
         if mode.streaming and batch_size < 1:
             raise ValueError("a streaming producer needs batch_size (groups per step)")
@@ -139,14 +145,19 @@ class Producer:
         self._ensure_started()
         if self._stream is not None:
             return self._stream_batch(step)
-        with self._cond:
-            while step not in self._batches:
+        while True:
+            with self._cond:
+                if step in self._batches:
+                    b = self._batches[step]
+                    break
                 if self._error is not None:
                     raise self._error      # as it was raised (a DatasetError stays one)
                 if step > self._last:
                     raise ValueError(f"step {step} is beyond the producer's last step {self._last}")
-                self._cond.wait(0.1)
-            b = self._batches[step]
+                if self._serve_engine is None:
+                    self._cond.wait(0.1)
+                    continue
+            self._serve_engine(_SERVE_S)
         self._stats = b.stats
         return b.plan, b.prompt_counts
 
@@ -156,7 +167,7 @@ class Producer:
             return
         b = self._batches[step]
         while True:
-            item = b.out.get()
+            item = self._take_out(b.out)
             if item is _DONE:
                 return
             if isinstance(item, BaseException):
@@ -165,6 +176,16 @@ class Producer:
                 self._waiting -= 1
             self._wake.set()
             yield item
+
+    def _take_out(self, out: queue.Queue):
+        """The next item of a batch's queue; meanwhile the colocated engine's steps run here."""
+        if self._serve_engine is None:
+            return out.get()
+        while True:
+            try:
+                return out.get_nowait()
+            except queue.Empty:
+                self._serve_engine(_SERVE_S)
 
     def batch_done(self, step: int) -> tuple[RolloutStats, dict]:
         """After `groups(step)` ended: the batch's rollout statistics and metrics (the plan's,
@@ -210,8 +231,15 @@ class Producer:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"rollout engines did not take weights version {self.pool.version} within "
                                    f"{self._weights_timeout_s:.0f} s")
-        with self._pool_lock:       # the producer thread reads the pool's messages only around this
+        # the producer thread reads the pool's messages only around this (and may be handing an
+        # engine step over meanwhile: it is run here while the lock is waited for)
+        while not self._pool_lock.acquire(timeout=_SERVE_S):
+            if self._serve_engine is not None:
+                self._serve_engine(0)
+        try:
             self.pool.publish(named_tensors, version)
+        finally:
+            self._pool_lock.release()
         self._wake.set()
 
     def generate_eval(self, requests: list[RolloutRequest]) -> list[RolloutResult]:
@@ -222,9 +250,13 @@ class Producer:
         self._evals.put((requests, results, done))
         self._ensure_started()
         self._wake.set()
-        while not done.wait(0.1):
+        while not done.is_set():
             if self._error is not None:
                 raise self._error
+            if self._serve_engine is None:
+                done.wait(0.1)
+            else:
+                self._serve_engine(_SERVE_S)
         return results
 
     def close(self) -> None:
