@@ -38,6 +38,11 @@ times give generation's and the micro-steps' own GFLOP/s over their busy time, a
 at their rows, and the optimizer's seconds; `floor s` is the step if generation and training ran
 at the model rate one after another, with nothing else.
 
+Every side's run also logs tools/machine_load.py's account (the hypervisor's steal share over the
+run, the run's CPU and system seconds); the table shows each side's largest steal over its
+repeats: a slow repeat with steal was the VM's (or, as with colocated sync's second OpenMP team
+before the fix, the side's own idling and waking threads: docs/performance.md).
+
 Tokens are (prompt + completion) per completion: 64 x (P + 64) per step. Each side's tokens/s is
 over the steps after the warm-up (steps W+1..N) of every repeat, from per-step wall times (TRL: a
 TrainerCallback, time between step ends; project: metrics.jsonl timing_s/step). Within a repeat
