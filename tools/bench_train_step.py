@@ -214,8 +214,8 @@ def main() -> None:
     args = ap.parse_args()
     for v in args.variants:
         name, _, malloc = v.partition("@")
-        if name not in VARIANTS + OPTIONAL or malloc not in ("", "system", "held") \
-                or (malloc == "held") != (name == "hf" and bool(malloc)):
+        # the HF step can be given the project's settings (held); a project step can drop them (system)
+        if name not in VARIANTS + OPTIONAL or malloc not in (("", "held") if name == "hf" else ("", "system")):
             ap.error(f"--variants: {v!r}: allowed {', '.join(VARIANTS + OPTIONAL)}, a project one with @system, hf@held")
     if args.worker:
         args.variant = args.worker

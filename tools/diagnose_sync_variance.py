@@ -1,4 +1,4 @@
-"""Colocated sync's run-to-run variance (docs/performance.md, "The host allocator"): whole runs of
+"""Colocated sync's run-to-run variance (docs/performance.md, "Colocated sync's slow runs"): whole runs of
 tools/bench_vs_trl.py's long_tail setup, wall against CPU time (the run's processes, user + sys),
 with and without OMP_WAIT_POLICY=PASSIVE, alternated; the hypervisor's steal share over each run
 (tools/machine_load.py) tells a slow VM from a slow program.
