@@ -245,3 +245,34 @@ def test_machine_load_reads_steal_and_leaves_guest_time_out(tmp_path):
     load = ml.since(before, str(stat))
     assert load["steal_share"] == pytest.approx(0.2)
     assert "steal 20.0%" in ml.describe(load)
+
+
+def test_overlap_bound_is_the_linear_programs_optimum():
+    """tools/overlap_bound.py: the on-policy estimate is the least a + b + c with generation on 2
+    cores for a, both stages on one core each for b, training on 2 cores for c, both stages done
+    (checked by brute force over b); overlap gains nothing when both stages scale perfectly, and
+    what the second core does not give generation when it does not scale at all."""
+    spec = importlib.util.spec_from_file_location("pa_tools_overlap_bound", os.path.join(ROOT, "tools", "overlap_bound.py"))
+    ob = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ob)
+
+    def brute(g2, t2, g1, t1):
+        best = g2 + t2
+        for i in range(20001):
+            b = min(g1, t1) * i / 20000
+            a, c = g2 * (1 - b / g1), t2 * (1 - b / t1)
+            best = min(best, a + b + c)
+        return best
+
+    for g2, t2, g1, t1 in ((0.32, 0.90, 0.41, 1.47), (0.6, 0.3, 0.75, 0.55), (0.5, 0.5, 0.5, 0.5), (0.2, 1.0, 0.4, 2.0)):
+        b = ob.bounds({"G": g2, "T": t2, "R": 0.05}, {"G": g1, "T": t1})
+        assert b["sync"] == pytest.approx(g2 + t2 + 0.05)
+        assert b["on_policy"] == pytest.approx(brute(g2, t2, g1, t1) + 0.05, abs=1e-4)
+        assert b["packing"] == pytest.approx((g1 + t1) / 2 + 0.05)
+        assert b["packing"] <= b["on_policy"] + 1e-12 <= b["sync"] + 1e-12
+    perfect = ob.bounds({"G": 0.2, "T": 1.0, "R": 0.0}, {"G": 0.4, "T": 2.0})
+    assert perfect["on_policy"] == pytest.approx(1.2)               # both scale 2x: nothing to win
+    flat = ob.bounds({"G": 0.4, "T": 1.0, "R": 0.0}, {"G": 0.4, "T": 2.0})
+    assert flat["on_policy"] == pytest.approx(0.4 + 1.0 * (1 - 0.4 / 2.0))   # generation on one core, hidden
+    step = ob.stage_seconds({"step_s": 1.3, "busy": {"generate_per_engine": 0.3, "micro_steps": 0.85, "optimizer": 0.05}})
+    assert step == pytest.approx({"G": 0.3, "T": 0.9, "R": 0.1, "step": 1.3})
