@@ -173,11 +173,19 @@ def test_stopping_the_run_stops_every_worker(tmp_path, sig):
 def test_periodic_with_shared_prompt_equals_unshared_sync(sync_run, tmp_path):
     """Shared-prompt packing composes with periodic asynchrony: same training as unshared sync.
     The worker and the trainer share the cores (rollout.cpu_cores: shared, the default): each
-    batch's last micro-step, which starts once generation is over, runs on every core."""
+    batch's last micro-step, which starts once generation is over, runs on every core, and the
+    trainer is marked idle from its weight sync on."""
     threads = []    # per batch: the torch thread count at each micro-step
+    flags = []      # the trainer's busy flag when it asks for each batch
 
     def hook(trainer):
         forward_backward = trainer.actor.forward_backward
+        batch = trainer.producer.batch
+
+        def asking(step):
+            flags.append(trainer.core_seat.board[trainer.core_seat.party])
+            return batch(step)
+        trainer.producer.batch = asking
 
         def recording(stream, n, **kw):
             mine = []
@@ -195,6 +203,9 @@ def test_periodic_with_shared_prompt_equals_unshared_sync(sync_run, tmp_path):
     _assert_same_training(history, params, *sync_run)
     cores = len(os.sched_getaffinity(0))
     assert trainer.core_seat is not None and len(threads) == STEPS
+    # after its weights went out the trainer is idle, before the next batch's groups: the worker's
+    # first engine step of a batch (the prefill) gets every core
+    assert flags == [0] * STEPS, flags
     if cores >= 2:
         assert [batch[-1] for batch in threads] == [cores] * STEPS, threads
         assert all(1 <= t <= cores for batch in threads for t in batch), threads

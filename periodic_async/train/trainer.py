@@ -361,6 +361,10 @@ class Trainer:
 
         t_sync = time.perf_counter()
         self.sync_weights()
+        if self.core_seat is not None:
+            # idle from here: the workers may start the next batch (its prefill is one long engine
+            # step) as soon as they hold the weights, and take the trainer's cores only if it says so
+            self.core_seat.set_busy(False)
         t_sync_end = time.perf_counter()
         step_s = t_sync_end - t_step
         metrics["timing_s/update_weights"] = t_sync_end - t_sync
