@@ -83,7 +83,11 @@ MODES = {"periodic": ["trainer.mode=periodic", "rollout.num_workers=1"],
          "sync": ["trainer.mode=sync"],
          "periodic_split": ["trainer.mode=periodic", "rollout.num_workers=1", "rollout.cpu_cores=split"],
          "periodic_split_shared": ["trainer.mode=periodic", "rollout.num_workers=1", "rollout.cpu_cores=split",
-                                   "actor.shared_prompt=true"]}
+                                   "actor.shared_prompt=true"],
+         # bounded staleness (eta 1: batch t + 1 generates while batch t trains); not on-policy
+         "async1": ["trainer.mode=async", "trainer.max_staleness=1", "rollout.num_workers=1"],
+         "async1_shared": ["trainer.mode=async", "trainer.max_staleness=1", "rollout.num_workers=1",
+                           "actor.shared_prompt=true"]}
 REWARD = '''def compute_score(response, answer):
     """The share of '7's in the response: cheap, and it differs within a group."""
     return response.count("7") / max(1, len(response))
