@@ -274,5 +274,5 @@ def test_overlap_bound_is_the_linear_programs_optimum():
     assert perfect["on_policy"] == pytest.approx(1.2)               # both scale 2x: nothing to win
     flat = ob.bounds({"G": 0.4, "T": 1.0, "R": 0.0}, {"G": 0.4, "T": 2.0})
     assert flat["on_policy"] == pytest.approx(0.4 + 1.0 * (1 - 0.4 / 2.0))   # generation on one core, hidden
-    step = ob.stage_seconds({"step_s": 1.3, "busy": {"generate_per_engine": 0.3, "micro_steps": 0.85, "optimizer": 0.05}})
+    step = ob.stage_seconds({"step_s": 1.3, "stages": {"generate": {"busy_s": 0.3}, "train": {"busy_s": 0.9}}})
     assert step == pytest.approx({"G": 0.3, "T": 0.9, "R": 0.1, "step": 1.3})

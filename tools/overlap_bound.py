@@ -47,9 +47,9 @@ PERIODIC_OF = {"sync": "periodic", "sync_shared": "periodic_shared"}
 
 def stage_seconds(p: dict) -> dict:
     """A profile_run.profile of a colocated run -> per-step G (generation), T (micro-steps +
-    optimizer) and R (the rest of the step: weight sync, scoring, waits), in seconds."""
-    g = p["busy"]["generate_per_engine"]
-    t = p["busy"]["micro_steps"] + p["busy"]["optimizer"]
+    optimizer: profile's train stage) and R (the rest of the step: weight sync, scoring, waits),
+    in seconds."""
+    g, t = p["stages"]["generate"]["busy_s"], p["stages"]["train"]["busy_s"]
     return {"G": g, "T": t, "R": max(0.0, p["step_s"] - g - t), "step": p["step_s"]}
 
 
@@ -121,12 +121,12 @@ def main() -> None:
                         bench_vs_trl.log(f"  {side}: " + ", ".join(f"{k} {v:.3f}" for k, v in runs[side][-1].items()))
                 mean = {side: {k: statistics.fmean(r[k] for r in rs) for k in rs[0]} for side, rs in runs.items() if rs}
                 b = bounds(mean["2 cores"], mean["1 core"])
-                rows.append((setup, mode, mean, b, runs))
+                rows.append((setup, mode, mean, b))
     print(f"\noverlap_bound: steps {args.steps}, warm-up {args.warmup}, repeats {args.repeats} (means; seconds per step)\n")
     print("| setup | mode | G2 / T2 / R2 | G1 / T1 | one-core slowdown G / T | sync step | on-policy overlap estimate "
           "(x sync) | packing bound (x sync) | periodic measured (x sync) |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for setup, mode, mean, b, runs in rows:
+    for setup, mode, mean, b in rows:
         two, one = mean["2 cores"], mean["1 core"]
         per = mean.get("periodic")
         per_txt = f"{per['step']:.3f} ({b['sync'] / per['step']:.2f}x; trainer idle {per['idle']:.3f})" if per else "-"
